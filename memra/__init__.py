@@ -1,0 +1,28 @@
+"""memra: speculative decoding for GLM-5-Next-class hybrid models, exact by construction.
+
+    from memra import load_model
+    model = load_model("path/to/checkpoint", backend="auto")
+    cache = model.new_cache(4096)
+    logits = model.prime(prompt_ids, cache)
+"""
+
+from __future__ import annotations
+
+import os
+
+from memra import errors
+from memra.config import ModelConfig, load_config, preset
+from memra.errors import MemraError
+
+__all__ = ["load_config", "load_model", "preset", "ModelConfig", "MemraError", "errors"]
+
+
+def load_model(path: str | os.PathLike, backend: str = "auto"):
+    """Load a glm5_next checkpoint directory onto a backend ("numpy" | "cuda" | "auto")."""
+    from memra.backend import get_backend
+    from memra.checkpoint import load_checkpoint
+    from memra.model.trunk import Glm5Model
+
+    be = get_backend(backend)
+    cfg = load_config(path)
+    return Glm5Model(cfg, load_checkpoint(path, cfg), be)

@@ -1,0 +1,302 @@
+"""The numpy reference backend: every op the model uses, exact by construction.
+
+This is the backend interface. Each exact-class op takes a block of t rows and computes row r
+with the same code, on arrays whose shapes depend only on row r, as it would for that row
+alone; so row r of a t-row call is bit-identical to the t=1 call (BLAS picks its kernels by
+shape, which is why rows are never batched into one gemm here). The CUDA backend implements
+the same methods with the same signatures. Activations are float32; weights arrive float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return (F32(1) / (F32(1) + np.exp(-x))).astype(F32)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return (x * _sigmoid(x)).astype(F32)
+
+
+def _softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return (e / e.sum(axis=axis, keepdims=True)).astype(F32)
+
+
+def _top(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest scores, ties to the lowest index, in ascending index order."""
+    order = np.argsort(-scores, kind="stable")[:k]
+    return np.sort(order)
+
+
+def _rmsnorm_row(x: np.ndarray, eps: float) -> np.ndarray:
+    return (x * (F32(1) / np.sqrt(np.mean(x * x, dtype=F32) + F32(eps)))).astype(F32)
+
+
+class NumpyBackend:
+    """Reference implementation of the backend interface (runs everywhere, used by CI)."""
+
+    name = "numpy"
+
+    # ---- memory ----------------------------------------------------------------------------
+    def asarray(self, a, dtype=F32) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=dtype)
+
+    def weight(self, a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=F32)
+
+    def zeros(self, shape, dtype=F32) -> np.ndarray:
+        return np.zeros(shape, dtype=dtype)
+
+    def to_host(self, a) -> np.ndarray:
+        return np.asarray(a)
+
+    def concat(self, arrays, axis: int = -1) -> np.ndarray:
+        return np.concatenate(arrays, axis=axis)
+
+    # ---- projections -----------------------------------------------------------------------
+    def embed(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return table[np.asarray(ids, dtype=np.int64)].astype(F32)
+
+    def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """y[r] = w @ x[r]; x [t, in], w [out, in] -> [t, out]."""
+        out = np.empty((x.shape[0], w.shape[0]), F32)
+        for r in range(x.shape[0]):
+            out[r] = w @ x[r]
+        return out
+
+    def head_linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """Per-head projection: y[r, h] = w[h] @ x[r, h]; x [t, H, in], w [H, out, in]."""
+        out = np.empty((x.shape[0], w.shape[0], w.shape[1]), F32)
+        for r in range(x.shape[0]):
+            for h in range(w.shape[0]):
+                out[r, h] = w[h] @ x[r, h]
+        return out
+
+    # ---- norms and activations -------------------------------------------------------------
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+        """RMSNorm over the last axis (w=None: unweighted)."""
+        flat = x.reshape(-1, x.shape[-1])
+        out = np.empty_like(flat)
+        for r in range(flat.shape[0]):
+            out[r] = _rmsnorm_row(flat[r], eps)
+            if w is not None:
+                out[r] *= w
+        return out.reshape(x.shape)
+
+    def layernorm(self, x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+        out = np.empty_like(x)
+        for r in range(x.shape[0]):
+            mu = np.mean(x[r], dtype=F32)
+            d = x[r] - mu
+            var = np.mean(d * d, dtype=F32)
+            out[r] = d / np.sqrt(var + F32(eps)) * w + b
+        return out
+
+    def l2norm(self, x: np.ndarray, eps: float) -> np.ndarray:
+        """x / sqrt(sum(x^2) + eps) over the last axis (fla's convention: eps inside the sqrt)."""
+        flat = x.reshape(-1, x.shape[-1])
+        out = np.empty_like(flat)
+        for r in range(flat.shape[0]):
+            out[r] = flat[r] / np.sqrt(np.sum(flat[r] * flat[r], dtype=F32) + F32(eps))
+        return out.reshape(x.shape)
+
+    def gated_rmsnorm(self, o: np.ndarray, gate: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """rmsnorm(o) * w * sigmoid(gate) over the last axis (KDA's output norm)."""
+        return (self.rmsnorm(o, w, eps) * _sigmoid(gate)).astype(F32)
+
+    def silu(self, x: np.ndarray) -> np.ndarray:
+        return _silu(x)
+
+    def sigmoid(self, x: np.ndarray) -> np.ndarray:
+        return _sigmoid(x)
+
+    def swiglu(self, gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
+        """silu(min(gate, limit)) * clip(up, -limit, limit)."""
+        lim = F32(limit)
+        return (_silu(np.minimum(gate, lim)) * np.clip(up, -lim, lim)).astype(F32)
+
+    def softmax(self, x: np.ndarray) -> np.ndarray:
+        return _softmax(x, axis=-1)
+
+    def argmax(self, x: np.ndarray) -> np.ndarray:
+        """Row-wise argmax; np.argmax returns the lowest index among ties."""
+        return np.argmax(x, axis=-1)
+
+    # ---- mHC ----------------------------------------------------------------------------------
+    def hc_weights(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int):
+        """mHC site weights per row: (pre [t, n], post [t, n], comb [t, n, n]).
+
+        streams [t, n, D]; m = fn @ rmsnorm(vec X); comb is Sinkhorn-normalised, starting
+        from a row softmax and ending with a column normalisation.
+        """
+        t, n, _ = streams.shape
+        pre = np.empty((t, n), F32)
+        post = np.empty((t, n), F32)
+        comb = np.empty((t, n, n), F32)
+        eps = F32(hc_eps)
+        for r in range(t):
+            m = fn @ _rmsnorm_row(streams[r].reshape(-1), rms_eps)
+            pre[r] = _sigmoid(m[:n] * scale[0] + base[:n]) + eps
+            post[r] = F32(2) * _sigmoid(m[n:2 * n] * scale[1] + base[n:2 * n])
+            c = _softmax(m[2 * n:].reshape(n, n) * scale[2] + base[2 * n:].reshape(n, n)) + eps
+            c = c / (c.sum(axis=0, keepdims=True) + eps)
+            for _ in range(iters - 1):
+                c = c / (c.sum(axis=1, keepdims=True) + eps)
+                c = c / (c.sum(axis=0, keepdims=True) + eps)
+            comb[r] = c
+        return pre, post, comb
+
+    def hc_collapse(self, streams: np.ndarray, pre: np.ndarray) -> np.ndarray:
+        """sum_i pre_i X_i, accumulated in stream order: [t, n, D] -> [t, D]."""
+        out = pre[:, 0, None] * streams[:, 0]
+        for i in range(1, streams.shape[1]):
+            out = out + pre[:, i, None] * streams[:, i]
+        return out.astype(F32)
+
+    def hc_combine(self, streams, f, post, comb) -> np.ndarray:
+        """X'_b = post_b f + sum_a C[a, b] X_a  (note the transpose: C^T X)."""
+        n = streams.shape[1]
+        out = np.empty_like(streams)
+        for b in range(n):
+            acc = comb[:, 0, b, None] * streams[:, 0]
+            for a in range(1, n):
+                acc = acc + comb[:, a, b, None] * streams[:, a]
+            out[:, b] = post[:, b, None] * f + acc
+        return out
+
+    def stream_mean(self, streams: np.ndarray) -> np.ndarray:
+        out = streams[:, 0].copy()
+        for i in range(1, streams.shape[1]):
+            out = out + streams[:, i]
+        return (out / F32(streams.shape[1])).astype(F32)
+
+    # ---- KDA ------------------------------------------------------------------------------------
+    def short_conv(self, x: np.ndarray, ring: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """Causal depthwise conv + SiLU over t rows; ring [K-1, C] holds the previous inputs
+        (oldest first) and is advanced in place. w [C, K]; tap K-1 meets the current row."""
+        k = w.shape[1]
+        out = np.empty_like(x)
+        for r in range(x.shape[0]):
+            acc = w[:, 0] * (ring[0] if k > 1 else x[r])
+            for j in range(1, k):
+                src = ring[j] if j < k - 1 else x[r]
+                acc = acc + w[:, j] * src
+            out[r] = _silu(acc)
+            if k > 1:
+                ring[:-1] = ring[1:]
+                ring[-1] = x[r]
+        return out
+
+    def kda_gate(self, f: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray, lower_bound) -> np.ndarray:
+        """Per-channel log-decay g: f [t, Hk, dk], a_log [Hk], dt_bias [Hk, dk]."""
+        z = f + dt_bias
+        rate = np.exp(a_log)[:, None]
+        if lower_bound is not None:
+            return (F32(lower_bound) * _sigmoid(rate * z)).astype(F32)
+        soft = np.where(z > 20, z, np.log1p(np.exp(np.minimum(z, 20))))
+        return (-rate * soft).astype(F32)
+
+    def kda_recurrence(self, q, k, v, g, beta, state: np.ndarray) -> np.ndarray:
+        """Delta rule, rows in order, state [Hk, dk, dv] advanced in place; returns o [t, Hk, dv].
+
+        S <- S * exp(g)[:, None]; S += k (x) beta (v - S^T k); o = S^T q.
+        """
+        t, hk, _ = q.shape
+        out = np.empty((t, hk, v.shape[2]), F32)
+        for r in range(t):
+            for h in range(hk):
+                s = state[h] * np.exp(g[r, h])[:, None]
+                delta = (v[r, h] - k[r, h] @ s) * beta[r, h]
+                s = s + np.outer(k[r, h], delta)
+                state[h] = s
+                out[r, h] = q[r, h] @ s
+        return out
+
+    # ---- DSA kpool indexer and MLA ------------------------------------------------------------
+    def kpool_compress(self, keys: np.ndarray, gates: np.ndarray, ape: np.ndarray) -> np.ndarray:
+        """Pool keys: per channel, softmax over the P slots of (gate + ape) weighting the keys.
+        keys, gates [npool, P, Di]; ape [P, Di] -> [npool, Di]."""
+        out = np.empty((keys.shape[0], keys.shape[2]), F32)
+        for j in range(keys.shape[0]):
+            p = _softmax(gates[j] + ape, axis=0)
+            acc = p[0] * keys[j, 0]
+            for m in range(1, keys.shape[1]):
+                acc = acc + p[m] * keys[j, m]
+            out[j] = acc
+        return out
+
+    def kpool_select(self, q, w, pool_keys, pos0: int, pool: int, budget: int, width: int,
+                     scale: float) -> np.ndarray:
+        """Attended positions per row (ascending, -1 padded to `width`): [t, width].
+
+        Row r sits at position p = pos0 + r and sees n = (p+1) // pool complete pools. With
+        n <= budget it attends everything (0..p); otherwise the `budget` pools with the best
+        score_j = sum_h w_h relu(scale * q_h . pk_j) win (ties to the lower pool), expanded to
+        their positions, plus the incomplete tail n*pool..p. q [t, Hi, Di]; w [t, Hi] (already
+        times Hi^-0.5); pool_keys [>= n, Di] finalized pool keys.
+        """
+        out = np.full((q.shape[0], width), -1, np.int32)
+        for r in range(q.shape[0]):
+            p = pos0 + r
+            n = (p + 1) // pool
+            if n <= budget:
+                out[r, :p + 1] = np.arange(p + 1)
+                continue
+            s = np.maximum(q[r] @ pool_keys[:n].T * F32(scale), F32(0))
+            chosen = _top(w[r] @ s, budget)
+            cols = (chosen[:, None] * pool + np.arange(pool)).reshape(-1)
+            tail = np.arange(n * pool, p + 1)
+            out[r, :cols.size + tail.size] = np.concatenate([cols, tail])
+        return out
+
+    def mla_attend(self, q_lat: np.ndarray, latent: np.ndarray, positions: np.ndarray, scale: float):
+        """Absorbed MLA attention over each row's position list.
+
+        q_lat [t, H, R]; latent [len, R] (the cached c rows); positions [t, W] int, -1 padded,
+        ascending. Returns o_lat [t, H, R] = sum_j softmax_j(scale q_lat . c_j) c_j.
+        """
+        out = np.empty_like(q_lat)
+        for r in range(q_lat.shape[0]):
+            ids = positions[r][positions[r] >= 0]
+            c = latent[ids]
+            s = (q_lat[r] @ c.T) * F32(scale)
+            out[r] = _softmax(s, axis=-1) @ c
+        return out
+
+    # ---- MoE --------------------------------------------------------------------------------------
+    def moe_route(self, x, w_gate, bias, n_group: int, topk_group: int, k: int,
+                  renormalize: bool, scaling: float):
+        """noaux_tc sigmoid routing: choose by score + bias (within the best groups), weigh by
+        the unbiased score. Returns (experts [t, k] ascending, weights [t, k])."""
+        t, e = x.shape[0], w_gate.shape[0]
+        idx = np.empty((t, k), np.int64)
+        wts = np.empty((t, k), F32)
+        for r in range(t):
+            s = _sigmoid(w_gate @ x[r])
+            sb = s + bias
+            groups = sb.reshape(n_group, e // n_group)
+            top2 = -np.sort(-groups, axis=1)[:, :2]
+            keep = _top(top2[:, 0] + top2[:, 1], topk_group)
+            masked = np.full_like(sb, -np.inf).reshape(n_group, -1)
+            masked[keep] = groups[keep]
+            idx[r] = _top(masked.reshape(-1), k)
+            chosen = s[idx[r]]
+            if renormalize:
+                chosen = chosen / (chosen.sum(dtype=F32) + F32(1e-20))
+            wts[r] = chosen * F32(scaling)
+        return idx, wts
+
+    def moe_experts(self, x, idx, wts, gate_w, up_w, down_w, limit: float) -> np.ndarray:
+        """sum over the row's experts (ascending) of wt * down(swiglu(gate x, up x)).
+        gate_w, up_w [E, I, D]; down_w [E, D, I]."""
+        out = np.zeros_like(x)
+        for r in range(x.shape[0]):
+            for e, wt in zip(idx[r], wts[r]):
+                h = self.swiglu(gate_w[e] @ x[r], up_w[e] @ x[r], limit)
+                out[r] = out[r] + (down_w[e] @ h) * wt
+        return out

@@ -1,0 +1,59 @@
+"""The state planes of one sequence: what a decode step reads and writes.
+
+* KDA layers: the conv ring (the last K-1 pre-conv inputs) and the recurrent state S.
+* DSA layers: the latent plane (one c row per position, append-only, position-addressed) and,
+  for layers with their own indexer, the indexer key/gate rows and the finalized pool keys.
+  `pools_ready` counts finalized pool keys; it may never exceed floor(length / P) — reading
+  past that is the residency tripwire (a `ResidencyError`, never a silent stale read).
+
+`Cache.pos` is the number of committed positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memra.errors import ResidencyError
+
+
+@dataclass
+class KdaState:
+    ring: object   # [K-1, 3C] previous q|k|v projections, oldest first
+    state: object  # [Hk, dk, dv] float32
+
+
+@dataclass
+class LatentPlane:
+    """One DSA layer's cache (also used by the MTP block for its own plane)."""
+
+    latent: object                 # [max_ctx, kv_lora]
+    index_keys: object = None      # [max_ctx, Di] (layers with an indexer)
+    index_gates: object = None     # [max_ctx, Di]
+    pool_keys: object = None       # [max_ctx // P, Di]
+    length: int = 0
+    pools_ready: int = 0
+
+    def check_append(self, pos0: int, name: str) -> None:
+        if self.length != pos0:
+            raise ResidencyError(
+                f"{name}: the latent plane holds {self.length} rows but rows are being written at "
+                f"position {pos0}; the plane and the cache position disagree (a missed rollback?)"
+            )
+
+    def check_residency(self, pool: int, name: str) -> None:
+        """The tripwire: finalized pool keys must not run past what `length` justifies."""
+        if self.pools_ready > self.length // pool:
+            raise ResidencyError(
+                f"{name}: index_pools_ready={self.pools_ready} but the latent plane holds "
+                f"{self.length} rows (at most {self.length // pool} complete pools of {pool}); "
+                "pool keys past the plane are stale — a rollback must clamp index_pools_ready "
+                "to floor(len / index_kpool)"
+            )
+
+
+@dataclass
+class Cache:
+    max_ctx: int
+    kda: dict[int, KdaState] = field(default_factory=dict)
+    mla: dict[int, LatentPlane] = field(default_factory=dict)
+    pos: int = 0

@@ -1,0 +1,52 @@
+"""Kimi Delta Attention (KDA): the linear-attention mixer with a recurrent state.
+
+q, k, v = SiLU(causal depthwise conv) of their projections; q, k L2-normalised, q scaled by
+dk^-0.5; per-channel log-decay g = lb * sigmoid(exp(A_log) * (f + dt_bias)); beta = sigmoid;
+S <- S * exp(g); S += k (x) beta (v - S^T k); o = S^T q; gated RMSNorm; o_proj.
+One t-row call runs the recurrence over the rows in order (research/kda.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memra.model.cache import KdaState
+
+
+class KdaMixer:
+    def __init__(self, be, w, cfg):
+        self.be = be
+        self.cfg = cfg
+        self.heads, self.dk = cfg.linear_num_heads, cfg.linear_head_dim
+        c, k = cfg.linear_dim, cfg.linear_conv_kernel_dim
+        stack = lambda *names: np.concatenate([w(n) for n in names], axis=0)
+        self.qkv = be.weight(stack("q_proj.weight", "k_proj.weight", "v_proj.weight"))
+        conv = stack("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
+        self.conv = be.weight(conv.reshape(3 * c, k))
+        self.f_a, self.f_b = be.weight(w("f_a_proj.weight")), be.weight(w("f_b_proj.weight"))
+        self.a_log = be.weight(w("A_log"))
+        self.dt_bias = be.weight(w("dt_bias").reshape(self.heads, self.dk))
+        self.b_proj = be.weight(w("b_proj.weight"))
+        self.g_a, self.g_b = be.weight(w("g_a_proj.weight")), be.weight(w("g_b_proj.weight"))
+        self.o_norm = be.weight(w("o_norm.weight"))
+        self.o_proj = be.weight(w("o_proj.weight"))
+
+    def new_state(self) -> KdaState:
+        cfg, be = self.cfg, self.be
+        ring = be.zeros((cfg.linear_conv_kernel_dim - 1, 3 * cfg.linear_dim))
+        return KdaState(ring=ring, state=be.zeros((self.heads, self.dk, self.dk)))
+
+    def __call__(self, x, st: KdaState):
+        be, t, hk, dk = self.be, x.shape[0], self.heads, self.dk
+        c = hk * dk
+        mixed = be.short_conv(be.linear(x, self.qkv), st.ring, self.conv)
+        q = be.l2norm(mixed[:, :c].reshape(t, hk, dk), 1e-6) * np.float32(dk ** -0.5)
+        k = be.l2norm(mixed[:, c:2 * c].reshape(t, hk, dk), 1e-6)
+        v = mixed[:, 2 * c:].reshape(t, hk, dk)
+        f = be.linear(be.linear(x, self.f_a), self.f_b).reshape(t, hk, dk)
+        g = be.kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound)
+        beta = be.sigmoid(be.linear(x, self.b_proj))
+        o = be.kda_recurrence(q, k, v, g, beta, st.state)
+        gate = be.linear(be.linear(x, self.g_a), self.g_b).reshape(t, hk, dk)
+        o = be.gated_rmsnorm(o, gate, self.o_norm, self.cfg.rms_norm_eps)
+        return be.linear(o.reshape(t, c), self.o_proj)

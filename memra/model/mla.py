@@ -1,0 +1,93 @@
+"""Multi-head Latent Attention (NoPE) behind the DSA kpool indexer.
+
+Every DSA layer caches one latent row c = RMSNorm(kv_a x) per position and attends in the
+absorbed form: q_lat[h] = W_UK[h]^T q_nope[h], o[h] = W_UV[h] sum_j p[h, j] c_j. Which
+positions a row attends comes from the kpool indexer: complete pools of P keys are scored
+against the row's indexer query, the best index_topk / P pools win, and the incomplete tail
+pool is always attended (dense while the row sees no more pools than the budget).
+A `shared` layer reuses the selection of the last full indexer layer for the same rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memra.model.cache import LatentPlane
+
+
+class KpoolIndexer:
+    def __init__(self, be, w, cfg):
+        self.be, self.cfg = be, cfg
+        self.wq_b = be.weight(w("indexer.wq_b.weight"))
+        self.wk = be.weight(w("indexer.wk.weight"))
+        self.k_norm_w = be.weight(w("indexer.k_norm.weight"))
+        self.k_norm_b = be.weight(w("indexer.k_norm.bias"))
+        self.weights_proj = be.weight(w("indexer.weights_proj.weight"))
+        self.gate = be.weight(w("indexer.index_kpool_compress_gate"))
+        self.ape = be.weight(w("indexer.index_kpool_compress_ape"))
+
+    def __call__(self, x, qr, plane: LatentPlane, pos0: int, name: str):
+        """Write the rows' indexer keys, finalize the pools they complete, select positions."""
+        be, cfg = self.be, self.cfg
+        t, hi, di, pool = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+        plane.index_keys[pos0:pos0 + t] = be.layernorm(
+            be.linear(x, self.wk), self.k_norm_w, self.k_norm_b, 1e-6
+        )
+        plane.index_gates[pos0:pos0 + t] = be.linear(x, self.gate)
+        first, last = plane.pools_ready, plane.length // pool
+        if last > first:
+            rows = slice(first * pool, last * pool)
+            keys = plane.index_keys[rows].reshape(last - first, pool, di)
+            gates = plane.index_gates[rows].reshape(last - first, pool, di)
+            plane.pool_keys[first:last] = be.kpool_compress(keys, gates, self.ape)
+            plane.pools_ready = last
+        q = be.linear(qr, self.wq_b).reshape(t, hi, di)
+        wts = be.linear(x, self.weights_proj) * np.float32(hi ** -0.5)
+        return be.kpool_select(
+            q, wts, plane.pool_keys, pos0, pool, cfg.index_pool_budget, cfg.index_width,
+            di ** -0.5,
+        )
+
+
+class MlaMixer:
+    def __init__(self, be, w, cfg, with_indexer: bool):
+        self.be, self.cfg = be, cfg
+        h, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.q_a = be.weight(w("q_a_proj.weight"))
+        self.q_a_norm = be.weight(w("q_a_layernorm.weight"))
+        self.q_b = be.weight(w("q_b_proj.weight"))
+        self.kv_a = be.weight(w("kv_a_proj_with_mqa.weight"))
+        self.kv_a_norm = be.weight(w("kv_a_layernorm.weight"))
+        kv_b = w("kv_b_proj.weight").reshape(h, dn + dv, r)
+        self.w_uk_t = be.weight(np.ascontiguousarray(kv_b[:, :dn].transpose(0, 2, 1)))  # [H, R, dn]
+        self.w_uv = be.weight(np.ascontiguousarray(kv_b[:, dn:]))                       # [H, dv, R]
+        self.o_proj = be.weight(w("o_proj.weight"))
+        self.indexer = KpoolIndexer(be, w, cfg) if with_indexer else None
+        self.scale = cfg.qk_head_dim ** -0.5
+
+    def new_plane(self, max_ctx: int) -> LatentPlane:
+        be, cfg = self.be, self.cfg
+        plane = LatentPlane(latent=be.zeros((max_ctx, cfg.kv_lora_rank)))
+        if self.indexer is not None:
+            di = cfg.index_head_dim
+            plane.index_keys = be.zeros((max_ctx, di))
+            plane.index_gates = be.zeros((max_ctx, di))
+            plane.pool_keys = be.zeros((max_ctx // cfg.index_kpool + 1, di))
+        return plane
+
+    def __call__(self, x, plane: LatentPlane, pos0: int, selection, name: str):
+        """Rows x [t, D] at positions pos0.. -> (out [t, D], selection used)."""
+        be, cfg, t = self.be, self.cfg, x.shape[0]
+        h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        plane.check_append(pos0, name)
+        if self.indexer is not None:
+            plane.check_residency(cfg.index_kpool, name)
+        qr = be.rmsnorm(be.linear(x, self.q_a), self.q_a_norm, cfg.rms_norm_eps)
+        q = be.linear(qr, self.q_b).reshape(t, h, dn)
+        plane.latent[pos0:pos0 + t] = be.rmsnorm(be.linear(x, self.kv_a), self.kv_a_norm, cfg.rms_norm_eps)
+        plane.length = pos0 + t
+        if self.indexer is not None:
+            selection = self.indexer(x, qr, plane, pos0, name)
+        o_lat = be.mla_attend(be.head_linear(q, self.w_uk_t), plane.latent[:plane.length], selection, self.scale)
+        o = be.head_linear(o_lat, self.w_uv).reshape(t, h * dv)
+        return be.linear(o, self.o_proj), selection

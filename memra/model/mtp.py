@@ -1,0 +1,41 @@
+"""The NextN / MTP block: checkpoint layer `num_hidden_layers`, no mHC.
+
+Row i pairs the next token with the trunk's collapsed pre-final-norm row h_i:
+z = eh_proj([enorm(embed(tok_{i+1})); hnorm(h_i)]), then a DSA-MLA + MoE pre-norm residual
+block over its own latent plane; logits = lm_head(shared_head.norm(z)). The returned carrier
+is z before shared_head.norm: it chains into the next draft step as its h.
+"""
+
+from __future__ import annotations
+
+from memra.model.mla import MlaMixer
+from memra.model.moe import Moe
+
+
+class MtpBlock:
+    def __init__(self, be, weights: dict, cfg, embed, lm_head):
+        prefix = f"layers.{cfg.num_hidden_layers}."
+        w = lambda name: weights[prefix + name]
+        self.be, self.cfg, self.embed, self.lm_head = be, cfg, embed, lm_head
+        self.enorm, self.hnorm = be.weight(w("enorm.weight")), be.weight(w("hnorm.weight"))
+        self.eh_proj = be.weight(w("eh_proj.weight"))
+        self.in_norm = be.weight(w("input_layernorm.weight"))
+        self.post_norm = be.weight(w("post_attention_layernorm.weight"))
+        self.head_norm = be.weight(w("shared_head.norm.weight"))
+        self.attn = MlaMixer(be, lambda n: w("self_attn." + n), cfg, with_indexer=True)
+        self.mlp = Moe(be, lambda n: w("mlp." + n), cfg)
+        self.name = f"mtp layer {cfg.num_hidden_layers}"
+
+    def new_plane(self, max_ctx: int):
+        return self.attn.new_plane(max_ctx)
+
+    def __call__(self, next_tokens, h, plane, pos0: int):
+        """Rows (tok_{i+1}, h_i) at positions pos0.. -> (logits [t, V], carrier [t, D])."""
+        be, eps = self.be, self.cfg.rms_norm_eps
+        e = be.rmsnorm(be.embed(self.embed, next_tokens), self.enorm, eps)
+        z = be.linear(be.concat([e, be.rmsnorm(h, self.hnorm, eps)], axis=-1), self.eh_proj)
+        a, _ = self.attn(be.rmsnorm(z, self.in_norm, eps), plane, pos0, None, self.name)
+        z = z + a
+        z = z + self.mlp(be.rmsnorm(z, self.post_norm, eps))
+        logits = be.linear(be.rmsnorm(z, self.head_norm, eps), self.lm_head)
+        return logits, z

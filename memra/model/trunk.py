@@ -1,0 +1,138 @@
+"""The glm5_next target: the mHC trunk of KDA / DSA-MLA layers, the final norm, the lm head,
+and the NextN/MTP block.
+
+    model = load_model(dir, backend="numpy")
+    cache = model.new_cache(max_ctx)
+    logits = model.prime(prompt_ids, cache)       # [vocab] after the last prompt token
+    logits = model.decode_step(token_id, cache)   # [vocab] after that token
+
+Every method checks its input before it touches the cache, so a refused call leaves it as it was.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memra.config import KDA, ModelConfig
+from memra.errors import ContextOverflowError, InputError
+from memra.model import hyper
+from memra.model.cache import Cache
+from memra.model.kda import KdaMixer
+from memra.model.mla import MlaMixer
+from memra.model.moe import DenseMlp, Moe
+from memra.model.mtp import MtpBlock
+
+
+class TrunkLayer:
+    def __init__(self, be, weights: dict, cfg: ModelConfig, i: int):
+        prefix = f"layers.{i}."
+        w = lambda name: weights[prefix + name]
+        self.index, self.kind = i, cfg.layer_types[i]
+        self.name = f"layer {i}"
+        self.attn_site = hyper.HcSite(be, weights, prefix + "hc_attn", cfg)
+        self.ffn_site = hyper.HcSite(be, weights, prefix + "hc_ffn", cfg)
+        self.in_norm = be.weight(w("input_layernorm.weight"))
+        self.post_norm = be.weight(w("post_attention_layernorm.weight"))
+        attn_w = lambda name: w("self_attn." + name)
+        if self.kind == KDA:
+            self.mixer = KdaMixer(be, attn_w, cfg)
+        else:
+            self.mixer = MlaMixer(be, attn_w, cfg, with_indexer=cfg.indexer_types[i] == "full")
+            self.selection_from = cfg.indexer_source(i)
+        mlp_w = lambda name: w("mlp." + name)
+        self.ffn = DenseMlp(be, mlp_w, cfg.swiglu_limit) if cfg.mlp_layer_types[i] == "dense" else Moe(be, mlp_w, cfg)
+
+
+class Glm5Model:
+    def __init__(self, cfg: ModelConfig, weights: dict, backend):
+        self.cfg, self.be = cfg, backend
+        be = backend
+        self.embed_table = be.weight(weights["embed_tokens.weight"])
+        head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = self.embed_table if cfg.tie_word_embeddings else be.weight(weights[head])
+        self.final_norm = be.weight(weights["norm.weight"])
+        self.layers = [TrunkLayer(be, weights, cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.mtp = MtpBlock(be, weights, cfg, self.embed_table, self.lm_head) if cfg.has_mtp else None
+
+    # ---- cache -------------------------------------------------------------------------------
+    def new_cache(self, max_ctx: int) -> Cache:
+        if isinstance(max_ctx, bool) or not isinstance(max_ctx, (int, np.integer)) or max_ctx < 1:
+            raise InputError(f"max_ctx must be a positive integer, got {max_ctx!r}")
+        limit = self.cfg.max_position_embeddings
+        if max_ctx > limit:
+            raise InputError(
+                f"max_ctx {max_ctx} exceeds the model's max_position_embeddings ({limit}); ask for less"
+            )
+        cache = Cache(max_ctx=int(max_ctx))
+        for layer in self.layers:
+            if layer.kind == KDA:
+                cache.kda[layer.index] = layer.mixer.new_state()
+            else:
+                cache.mla[layer.index] = layer.mixer.new_plane(cache.max_ctx)
+        return cache
+
+    # ---- public steps ------------------------------------------------------------------------
+    def prime(self, token_ids, cache: Cache) -> np.ndarray:
+        """Prefill the prompt; returns float32 logits [vocab] after its last token."""
+        tokens = self._check_tokens(token_ids, cache)
+        logits, _ = self.forward_rows(tokens, cache)
+        cache.pos += len(tokens)
+        return self.be.to_host(logits[-1])
+
+    def decode_step(self, token_id, cache: Cache) -> np.ndarray:
+        """Consume one token; returns float32 logits [vocab] for the next position."""
+        tokens = self._check_tokens([token_id], cache)
+        logits, _ = self.forward_rows(tokens, cache)
+        cache.pos += 1
+        return self.be.to_host(logits[0])
+
+    # ---- the walk ----------------------------------------------------------------------------
+    def forward_rows(self, tokens: np.ndarray, cache: Cache):
+        """One walk over t rows at positions cache.pos.. -> (logits [t, V], collapsed [t, D]).
+
+        Writes every state plane for the t rows; does not move cache.pos (the caller commits).
+        """
+        be, cfg = self.be, self.cfg
+        pos0 = cache.pos
+        streams = hyper.expand(be.embed(self.embed_table, tokens), cfg.hc_mult)
+        selections: dict[int, object] = {}
+        for layer in self.layers:
+            streams = layer.attn_site(
+                streams, lambda y: self._mix(layer, be.rmsnorm(y, layer.in_norm, cfg.rms_norm_eps), cache, pos0, selections)
+            )
+            streams = layer.ffn_site(
+                streams, lambda y: layer.ffn(be.rmsnorm(y, layer.post_norm, cfg.rms_norm_eps))
+            )
+        collapsed = be.stream_mean(streams)
+        logits = be.linear(be.rmsnorm(collapsed, self.final_norm, cfg.rms_norm_eps), self.lm_head)
+        return logits, collapsed
+
+    def _mix(self, layer: TrunkLayer, x, cache: Cache, pos0: int, selections: dict):
+        if layer.kind == KDA:
+            return layer.mixer(x, cache.kda[layer.index])
+        shared = selections.get(layer.selection_from)
+        out, selections[layer.index] = layer.mixer(x, cache.mla[layer.index], pos0, shared, layer.name)
+        return out
+
+    def _check_tokens(self, token_ids, cache: Cache) -> np.ndarray:
+        try:
+            tokens = np.asarray(token_ids)
+        except (TypeError, ValueError):
+            raise InputError(f"token ids must be integers, got {token_ids!r}") from None
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise InputError("token ids must be a non-empty 1-D sequence of integers")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise InputError(f"token ids must be integers, got dtype {tokens.dtype}")
+        vocab = self.cfg.vocab_size
+        bad = tokens[(tokens < 0) | (tokens >= vocab)]
+        if bad.size:
+            raise InputError(
+                f"token id {int(bad[0])} is outside the vocab 0..{vocab - 1}; check the tokenizer "
+                "matches this checkpoint"
+            )
+        if cache.pos + tokens.size > cache.max_ctx:
+            raise ContextOverflowError(
+                f"{tokens.size} more tokens at position {cache.pos} would pass max_ctx "
+                f"{cache.max_ctx}; create the cache with a larger max_ctx"
+            )
+        return tokens.astype(np.int64)

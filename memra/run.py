@@ -1,0 +1,85 @@
+"""`python -m memra.run`: generate from a glm5_next checkpoint (or the built-in demo model).
+
+    python -m memra.run                                  # demo: the `small` preset fixture
+    python -m memra.run --model DIR --prompt-ids 1,2,3 --max-new-tokens 32 --backend cuda
+
+Token ids in, token ids out (plus the UTF-8 text when the vocab is byte-level, i.e. 256).
+Every refusal prints its message and exits with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+from memra.errors import InputError, MemraError
+
+
+def _parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m memra.run", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="checkpoint directory (config.json + safetensors); default: the demo model")
+    ap.add_argument("--demo-preset", default="small", help="preset for the demo model (mini | small)")
+    ap.add_argument("--demo-dir", default=os.path.join(tempfile.gettempdir(), "memra-demo"),
+                    help="where the demo fixture is written once and reused")
+    ap.add_argument("--backend", default="auto", help="numpy | cuda | auto (default)")
+    ap.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    ap.add_argument("--prompt", help="prompt text, as UTF-8 bytes (byte-level vocabs only)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    return ap.parse_args(argv)
+
+
+def _demo_dir(root: str, preset_name: str) -> str:
+    """Write (once) the deterministic demo fixture and return its directory."""
+    from memra.checkpoint import write_fixture
+    from memra.config import preset
+
+    path = os.path.join(root, f"{preset_name}-seed0")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        write_fixture(path, preset(preset_name), seed=0)
+    return path
+
+
+def _prompt(args, vocab: int) -> list[int]:
+    if args.prompt_ids and args.prompt:
+        raise InputError("give either --prompt-ids or --prompt, not both")
+    if args.prompt is not None:
+        if vocab != 256:
+            raise InputError(f"--prompt needs a byte-level vocab (256); this model has {vocab}: use --prompt-ids")
+        return list(args.prompt.encode("utf-8"))
+    if args.prompt_ids:
+        try:
+            return [int(x) for x in args.prompt_ids.split(",")]
+        except ValueError:
+            raise InputError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    return [1, 2, 3, 4]
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    try:
+        from memra import load_model
+        from memra.generate import greedy
+
+        path = args.model or _demo_dir(args.demo_dir, args.demo_preset)
+        model = load_model(path, backend=args.backend)
+        prompt = _prompt(args, model.cfg.vocab_size)
+        t0 = time.perf_counter()
+        tokens = greedy(model, prompt, args.max_new_tokens, eos_ids=model.cfg.eos_token_id)
+        seconds = time.perf_counter() - t0
+    except MemraError as exc:
+        print(f"memra: {exc}", file=sys.stderr)
+        return 2
+    record = {"model": path, "backend": model.be.name, "prompt_ids": prompt, "tokens": tokens,
+              "tokens_per_s": round(len(tokens) / seconds, 2) if seconds > 0 else None}
+    if model.cfg.vocab_size == 256:
+        record["text"] = bytes(tokens).decode("utf-8", errors="replace")
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

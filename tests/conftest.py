@@ -1,0 +1,21 @@
+"""Shared fixtures: checkpoints written once per session by memra's own fixture writer."""
+
+import pytest
+
+from memra.checkpoint import write_fixture
+from memra.config import preset
+
+
+@pytest.fixture(scope="session")
+def fixture_dir(tmp_path_factory):
+    """fixture_dir(name, seed=0, dtype="float32") -> a checkpoint directory for a preset."""
+    made = {}
+
+    def make(name: str, seed: int = 0, dtype: str = "float32") -> str:
+        key = (name, seed, dtype)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"{name}-{seed}-{dtype}")
+            made[key] = write_fixture(str(path), preset(name), seed=seed, dtype=dtype)
+        return made[key]
+
+    return make

@@ -1,0 +1,44 @@
+"""The NextN/MTP block: rows over its own latent plane, fed by the trunk's collapsed rows."""
+
+import numpy as np
+import pytest
+
+from memra import load_model
+
+
+@pytest.fixture(scope="module")
+def model(fixture_dir):
+    return load_model(fixture_dir("small"), backend="numpy")
+
+
+def _trunk_rows(model, n):
+    tokens = np.random.default_rng(3).integers(0, model.cfg.vocab_size, n + 1)
+    _, collapsed = model.forward_rows(tokens[:n], model.new_cache(n))
+    return tokens, collapsed
+
+
+def test_mtp_rows_in_one_call_equal_rows_one_at_a_time(model):
+    n = 30  # past the dense threshold, so the MTP block's own kpool indexer selects
+    tokens, h = _trunk_rows(model, n)
+    plane = model.mtp.new_plane(n)
+    logits, carrier = model.mtp(tokens[1:n + 1], h, plane, 0)
+    assert logits.shape == (n, model.cfg.vocab_size) and carrier.shape == (n, model.cfg.hidden_size)
+    solo = model.mtp.new_plane(n)
+    for i in range(n):
+        row_logits, row_carrier = model.mtp(tokens[i + 1:i + 2], h[i:i + 1], solo, i)
+        assert np.array_equal(row_logits[0], logits[i])
+        assert np.array_equal(row_carrier[0], carrier[i])
+    assert plane.pools_ready == n // model.cfg.index_kpool
+
+
+def test_mtp_depends_on_both_the_token_and_the_hidden_row(model):
+    tokens, h = _trunk_rows(model, 4)
+    base, _ = model.mtp(tokens[1:5], h, model.mtp.new_plane(4), 0)
+    other_tok, _ = model.mtp((tokens[1:5] + 1) % model.cfg.vocab_size, h, model.mtp.new_plane(4), 0)
+    other_h, _ = model.mtp(tokens[1:5], h[::-1].copy(), model.mtp.new_plane(4), 0)
+    assert not np.allclose(base, other_tok) and not np.allclose(base, other_h)
+
+
+def test_mini_has_its_mtp_block(fixture_dir):
+    m = load_model(fixture_dir("mini"), backend="numpy")
+    assert m.mtp is not None and m.cfg.num_nextn_predict_layers == 1

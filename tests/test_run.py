@@ -1,0 +1,44 @@
+"""`python -m memra.run`: the main job prints one JSON record; refusals exit 2 without a traceback."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from memra import load_model
+from memra.generate import greedy
+from memra.run import main
+
+
+def test_demo_generates_greedy_tokens(tmp_path, capsys):
+    assert main(["--demo-dir", str(tmp_path), "--max-new-tokens", "6", "--backend", "numpy"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(record["tokens"]) == 6 and record["backend"] == "numpy"
+    model = load_model(tmp_path / "small-seed0", backend="numpy")
+    assert record["tokens"] == greedy(model, record["prompt_ids"], 6)
+
+
+def test_greedy_takes_the_argmax_each_step(fixture_dir):
+    model = load_model(fixture_dir("mini"), backend="numpy")
+    out = greedy(model, [1, 2, 3], 5)
+    cache = model.new_cache(8)
+    logits = model.prime([1, 2, 3], cache)
+    for tok in out:
+        assert tok == int(np.argmax(logits))
+        logits = model.decode_step(tok, cache)
+
+
+def test_refusal_prints_message_and_exits_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "memra.run", "--demo-dir", str(tmp_path), "--backend", "numpy",
+         "--prompt-ids", "1,999", "--max-new-tokens", "2"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert "outside the vocab" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "nope"), "--backend", "numpy"]) == 2
+    assert "config.json" in capsys.readouterr().err

@@ -1,0 +1,136 @@
+"""Named config dicts: `mini` (the seed fixture, verbatim) and `small` (the CPU-test model).
+
+    from memra.config import preset
+    cfg_dict = preset("small")
+"""
+
+from __future__ import annotations
+
+import copy
+
+from memra.errors import ConfigError
+
+_MINI = {
+    "model_type": "glm5_next_text",
+    "num_hidden_layers": 4,
+    "num_nextn_predict_layers": 1,
+    "hidden_size": 128,
+    "intermediate_size": 64,
+    "vocab_size": 32,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-05,
+    "hidden_act": "silu",
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": True,
+    "hc_mult": 4,
+    "hc_eps": 1e-06,
+    "hc_sinkhorn_iters": 20,
+    "mhc": True,
+    "layer_types": ["linear_attention", "deepseek_sparse_attention",
+                    "linear_attention", "deepseek_sparse_attention"],
+    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+    "first_k_dense_replace": 1,
+    "indexer_types": ["full", "full", "full", "full"],
+    "linear_attn_config": {
+        "num_heads": 1,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "kda_layers": [0, 2],
+        "full_attn_layers": [1, 3],
+    },
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 0,
+    "v_head_dim": 16,
+    "mla_use_nope": True,
+    "index_n_heads": 1,
+    "index_head_dim": 8,
+    "index_topk": 8,
+    "index_kpool": 4,
+    "index_kpool_always_select_tail": True,
+    "index_kpool_compress": True,
+    "indexer_rope_interleave": True,
+    "index_share_for_mtp_iteration": True,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "n_shared_experts": 1,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "n_group": 1,
+    "topk_group": 1,
+    "head_dim": 0,
+    "attention_bias": False,
+    "moe_router_dtype": "float32",
+    "dtype": "bfloat16",
+}
+
+# CPU-test scale: every layer kind, a shared indexer layer right after a full one (the only
+# placement transformers can run), grouped routing, an untied head, and a kpool budget of
+# 2 pools of 4 so a 64-token prompt is well past the dense threshold of 11 tokens.
+_SMALL = {
+    "model_type": "glm5_next_text",
+    "num_hidden_layers": 6,
+    "num_nextn_predict_layers": 1,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "vocab_size": 256,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-05,
+    "hidden_act": "silu",
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": False,
+    "hc_mult": 4,
+    "hc_eps": 1e-06,
+    "hc_sinkhorn_iters": 20,
+    "layer_types": ["linear_attention", "indexed_attention", "indexed_attention",
+                    "linear_attention", "linear_attention", "indexed_attention"],
+    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse", "sparse", "sparse"],
+    "indexer_types": ["full", "full", "shared", "full", "full", "full"],
+    "linear_attn_config": {
+        "num_heads": 2,
+        "head_dim": 32,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "kda_layers": [0, 3, 4],
+        "full_attn_layers": [1, 2, 5],
+    },
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 0,
+    "v_head_dim": 16,
+    "index_n_heads": 4,
+    "index_head_dim": 16,
+    "index_topk": 8,
+    "index_kpool": 4,
+    "index_kpool_always_select_tail": True,
+    "index_kpool_compress": True,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "n_group": 2,
+    "topk_group": 1,
+    "eos_token_id": 255,
+}
+
+_PRESETS = {"mini": _MINI, "small": _SMALL}
+
+
+def preset(name: str) -> dict:
+    """A fresh copy of a named config dict (`mini`: the seed fixture; `small`: CPU tests)."""
+    if name not in _PRESETS:
+        raise ConfigError(f"unknown preset {name!r}: choose one of {sorted(_PRESETS)}")
+    return copy.deepcopy(_PRESETS[name])

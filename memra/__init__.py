@@ -25,4 +25,4 @@ def load_model(path: str | os.PathLike, backend: str = "auto"):
 
     be = get_backend(backend)
     cfg = load_config(path)
-    return Glm5Model(cfg, load_checkpoint(path, cfg), be)
+    return Glm5Model(cfg, load_checkpoint(path, cfg, keep_bf16=True), be)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from dataclasses import dataclass, fields
 
@@ -106,7 +107,10 @@ class ModelConfig:
         for j in range(layer, -1, -1):
             if self.layer_types[j] == DSA and self.indexer_types[j] == "full":
                 return j
-        raise ConfigError(f"layer {layer} is a shared indexer layer with no full DSA layer before it")
+        raise ConfigError(
+            f"indexer_types[{layer}] is 'shared' but no DSA layer with a full indexer precedes "
+            f"layer {layer}; mark an earlier DSA layer 'full' in indexer_types / index_topk_pattern"
+        )
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -125,6 +129,8 @@ class ModelConfig:
             "short_conv_kernel_size": self.linear_conv_kernel_dim,
             "gate_lower_bound": self.linear_lower_bound,
         }
+        if self.linear_lower_bound is None:
+            lac["safe_gate"] = False  # otherwise a null bound reads back as -5.0
         for key in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "linear_lower_bound"):
             out.pop(key)
         out["linear_attn_config"] = lac
@@ -170,6 +176,8 @@ def _coerce(key: str, value, kind: str):
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"config key {key!r} must be finite, got {value!r}")
         return float(value)
     if kind == "float | None":
         return None if value is None else _coerce(key, value, "float")
@@ -258,9 +266,8 @@ def _layer_types(text: dict, lac: dict | None, n_layers: int) -> tuple[str, ...]
         )
     if given is not None:
         types = [DSA if t in DSA_SPELLINGS else KDA for t in given]
-    elif kda_list is not None:
-        types = [KDA if i in kda_list else DSA for i in range(n_layers)]
     else:
+        # transformers' default; it never reads kda_layers, so those must agree with it (below)
         types = [KDA if i % 4 != 3 else DSA for i in range(n_layers)]
     kda = [i for i, t in enumerate(types) if t == KDA]
     dsa = [i for i, t in enumerate(types) if t == DSA]
@@ -268,13 +275,14 @@ def _layer_types(text: dict, lac: dict | None, n_layers: int) -> tuple[str, ...]
         _require(
             sorted(kda_list) == kda,
             f"linear_attn_config.kda_layers {sorted(kda_list)} disagrees with layer_types "
-            f"(KDA at {kda}); make the two lists agree",
+            f"(KDA at {kda}{'' if given is not None else ', the default when layer_types is absent'}); "
+            "give layer_types explicitly and make the two agree",
         )
     if full_list is not None:
         _require(
             sorted(full_list) == dsa,
             f"linear_attn_config.full_attn_layers {sorted(full_list)} disagrees with layer_types "
-            f"(DSA at {dsa}); make the two lists agree",
+            f"(DSA at {dsa}); give layer_types explicitly and make the two agree",
         )
     return tuple(types)
 
@@ -308,8 +316,10 @@ def _indexer_types(text: dict, n_layers: int) -> tuple[str, ...]:
                 f"index_topk_pattern {pattern!r} may only hold 'F' (full) and 'S' (shared)",
             )
             values = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        elif isinstance(pattern, list):
+            values = pattern
         else:
-            values = list(pattern)
+            raise ConfigError(f"index_topk_pattern must be a string like 'FSFS' or a list, got {pattern!r}")
         _require(
             len(values) == n_layers,
             f"index_topk_pattern has {len(values)} entries but num_hidden_layers is {n_layers}",
@@ -319,8 +329,8 @@ def _indexer_types(text: dict, n_layers: int) -> tuple[str, ...]:
             f"index_topk_pattern entries must be full/shared, got {values}",
         )
         return tuple(values)
-    freq = max(text.get("index_topk_freq", 1), 1)
-    offset = text.get("index_skip_topk_offset", 2)
+    freq = max(_coerce("index_topk_freq", text.get("index_topk_freq", 1), "int"), 1)
+    offset = _coerce("index_skip_topk_offset", text.get("index_skip_topk_offset", 2), "int")
     return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers))
 
 
@@ -334,6 +344,8 @@ def _validate(cfg: ModelConfig, text: dict) -> None:
     for key in positive:
         _require(getattr(cfg, key) >= 1, f"{key} must be >= 1, got {getattr(cfg, key)}")
     _require(cfg.rms_norm_eps > 0 and cfg.hc_eps > 0, "rms_norm_eps and hc_eps must be > 0")
+    _require(cfg.swiglu_limit > 0, f"swiglu_limit must be > 0, got {cfg.swiglu_limit}")
+    _require(cfg.routed_scaling_factor > 0, f"routed_scaling_factor must be > 0, got {cfg.routed_scaling_factor}")
     _require(
         cfg.num_attention_heads == cfg.num_key_value_heads,
         f"num_attention_heads ({cfg.num_attention_heads}) must equal num_key_value_heads "
@@ -390,6 +402,7 @@ def _validate(cfg: ModelConfig, text: dict) -> None:
             "(the experts in the kept groups)",
         )
         _require(cfg.moe_intermediate_size >= 1, "moe_intermediate_size must be >= 1")
+        _require(cfg.n_shared_experts >= 1, f"n_shared_experts must be >= 1, got {cfg.n_shared_experts}")
     if "dense" in cfg.mlp_layer_types:
         _require(cfg.intermediate_size >= 1, "intermediate_size must be >= 1")
     for i, t in enumerate(cfg.layer_types):
@@ -407,6 +420,8 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
             raw = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"no config.json at {path}: point at a checkpoint directory") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path} ({exc.strerror}): point at a checkpoint directory") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc}); re-export the checkpoint config") from None
     return ModelConfig.from_dict(raw)

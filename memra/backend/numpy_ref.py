@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from memra.safetensors_io import bf16_to_f32
+
 F32 = np.float32
 
 
@@ -47,7 +49,15 @@ class NumpyBackend:
         return np.ascontiguousarray(a, dtype=dtype)
 
     def weight(self, a: np.ndarray) -> np.ndarray:
+        """A parameter used elementwise or in a small reduction; bf16 (raw uint16) widens."""
+        if a.dtype == np.uint16:
+            return bf16_to_f32(a)
         return np.ascontiguousarray(a, dtype=F32)
+
+    def matrix(self, a: np.ndarray) -> np.ndarray:
+        """A projection matrix for linear / head_linear / moe_experts. The reference computes
+        in float32 whatever the storage; the CUDA backend keeps bf16 storage and widens in-kernel."""
+        return self.weight(a)
 
     def zeros(self, shape, dtype=F32) -> np.ndarray:
         return np.zeros(shape, dtype=dtype)

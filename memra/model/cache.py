@@ -53,6 +53,7 @@ class LatentPlane:
 
 @dataclass
 class Cache:
+    config: object  # the ModelConfig of the model that made it
     max_ctx: int
     kda: dict[int, KdaState] = field(default_factory=dict)
     mla: dict[int, LatentPlane] = field(default_factory=dict)

@@ -20,16 +20,16 @@ class KdaMixer:
         self.heads, self.dk = cfg.linear_num_heads, cfg.linear_head_dim
         c, k = cfg.linear_dim, cfg.linear_conv_kernel_dim
         stack = lambda *names: np.concatenate([w(n) for n in names], axis=0)
-        self.qkv = be.weight(stack("q_proj.weight", "k_proj.weight", "v_proj.weight"))
+        self.qkv = be.matrix(stack("q_proj.weight", "k_proj.weight", "v_proj.weight"))
         conv = stack("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")
         self.conv = be.weight(conv.reshape(3 * c, k))
-        self.f_a, self.f_b = be.weight(w("f_a_proj.weight")), be.weight(w("f_b_proj.weight"))
+        self.f_a, self.f_b = be.matrix(w("f_a_proj.weight")), be.matrix(w("f_b_proj.weight"))
         self.a_log = be.weight(w("A_log"))
         self.dt_bias = be.weight(w("dt_bias").reshape(self.heads, self.dk))
-        self.b_proj = be.weight(w("b_proj.weight"))
-        self.g_a, self.g_b = be.weight(w("g_a_proj.weight")), be.weight(w("g_b_proj.weight"))
+        self.b_proj = be.matrix(w("b_proj.weight"))
+        self.g_a, self.g_b = be.matrix(w("g_a_proj.weight")), be.matrix(w("g_b_proj.weight"))
         self.o_norm = be.weight(w("o_norm.weight"))
-        self.o_proj = be.weight(w("o_proj.weight"))
+        self.o_proj = be.matrix(w("o_proj.weight"))
 
     def new_state(self) -> KdaState:
         cfg, be = self.cfg, self.be

@@ -18,12 +18,12 @@ from memra.model.cache import LatentPlane
 class KpoolIndexer:
     def __init__(self, be, w, cfg):
         self.be, self.cfg = be, cfg
-        self.wq_b = be.weight(w("indexer.wq_b.weight"))
-        self.wk = be.weight(w("indexer.wk.weight"))
+        self.wq_b = be.matrix(w("indexer.wq_b.weight"))
+        self.wk = be.matrix(w("indexer.wk.weight"))
         self.k_norm_w = be.weight(w("indexer.k_norm.weight"))
         self.k_norm_b = be.weight(w("indexer.k_norm.bias"))
-        self.weights_proj = be.weight(w("indexer.weights_proj.weight"))
-        self.gate = be.weight(w("indexer.index_kpool_compress_gate"))
+        self.weights_proj = be.matrix(w("indexer.weights_proj.weight"))
+        self.gate = be.matrix(w("indexer.index_kpool_compress_gate"))
         self.ape = be.weight(w("indexer.index_kpool_compress_ape"))
 
     def __call__(self, x, qr, plane: LatentPlane, pos0: int, name: str):
@@ -53,15 +53,15 @@ class MlaMixer:
     def __init__(self, be, w, cfg, with_indexer: bool):
         self.be, self.cfg = be, cfg
         h, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        self.q_a = be.weight(w("q_a_proj.weight"))
+        self.q_a = be.matrix(w("q_a_proj.weight"))
         self.q_a_norm = be.weight(w("q_a_layernorm.weight"))
-        self.q_b = be.weight(w("q_b_proj.weight"))
-        self.kv_a = be.weight(w("kv_a_proj_with_mqa.weight"))
+        self.q_b = be.matrix(w("q_b_proj.weight"))
+        self.kv_a = be.matrix(w("kv_a_proj_with_mqa.weight"))
         self.kv_a_norm = be.weight(w("kv_a_layernorm.weight"))
         kv_b = w("kv_b_proj.weight").reshape(h, dn + dv, r)
-        self.w_uk_t = be.weight(np.ascontiguousarray(kv_b[:, :dn].transpose(0, 2, 1)))  # [H, R, dn]
-        self.w_uv = be.weight(np.ascontiguousarray(kv_b[:, dn:]))                       # [H, dv, R]
-        self.o_proj = be.weight(w("o_proj.weight"))
+        self.w_uk_t = be.matrix(np.ascontiguousarray(kv_b[:, :dn].transpose(0, 2, 1)))  # [H, R, dn]
+        self.w_uv = be.matrix(np.ascontiguousarray(kv_b[:, dn:]))                       # [H, dv, R]
+        self.o_proj = be.matrix(w("o_proj.weight"))
         self.indexer = KpoolIndexer(be, w, cfg) if with_indexer else None
         self.scale = cfg.qk_head_dim ** -0.5
 

@@ -13,9 +13,9 @@ import numpy as np
 class DenseMlp:
     def __init__(self, be, w, limit: float):
         self.be, self.limit = be, limit
-        self.gate = be.weight(w("gate_proj.weight"))
-        self.up = be.weight(w("up_proj.weight"))
-        self.down = be.weight(w("down_proj.weight"))
+        self.gate = be.matrix(w("gate_proj.weight"))
+        self.up = be.matrix(w("up_proj.weight"))
+        self.down = be.matrix(w("down_proj.weight"))
 
     def __call__(self, x):
         be = self.be
@@ -29,7 +29,7 @@ class Moe:
         self.router = be.weight(w("gate.weight"))
         self.bias = be.weight(w("gate.e_score_correction_bias"))
         experts = range(cfg.n_routed_experts)
-        stack = lambda part: be.weight(np.stack([w(f"experts.{e}.{part}.weight") for e in experts]))
+        stack = lambda part: be.matrix(np.stack([w(f"experts.{e}.{part}.weight") for e in experts]))
         self.gate_w, self.up_w, self.down_w = stack("gate_proj"), stack("up_proj"), stack("down_proj")
         self.shared = DenseMlp(be, lambda n: w("shared_experts." + n), cfg.swiglu_limit)
 

@@ -18,7 +18,7 @@ class MtpBlock:
         w = lambda name: weights[prefix + name]
         self.be, self.cfg, self.embed, self.lm_head = be, cfg, embed, lm_head
         self.enorm, self.hnorm = be.weight(w("enorm.weight")), be.weight(w("hnorm.weight"))
-        self.eh_proj = be.weight(w("eh_proj.weight"))
+        self.eh_proj = be.matrix(w("eh_proj.weight"))
         self.in_norm = be.weight(w("input_layernorm.weight"))
         self.post_norm = be.weight(w("post_attention_layernorm.weight"))
         self.head_norm = be.weight(w("shared_head.norm.weight"))

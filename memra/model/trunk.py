@@ -49,7 +49,8 @@ class Glm5Model:
         be = backend
         self.embed_table = be.weight(weights["embed_tokens.weight"])
         head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = self.embed_table if cfg.tie_word_embeddings else be.weight(weights[head])
+        # the embedding table is gathered (float32); the head is a projection matrix
+        self.lm_head = be.matrix(weights[head])
         self.final_norm = be.weight(weights["norm.weight"])
         self.layers = [TrunkLayer(be, weights, cfg, i) for i in range(cfg.num_hidden_layers)]
         self.mtp = MtpBlock(be, weights, cfg, self.embed_table, self.lm_head) if cfg.has_mtp else None
@@ -63,7 +64,7 @@ class Glm5Model:
             raise InputError(
                 f"max_ctx {max_ctx} exceeds the model's max_position_embeddings ({limit}); ask for less"
             )
-        cache = Cache(max_ctx=int(max_ctx))
+        cache = Cache(config=self.cfg, max_ctx=int(max_ctx))
         for layer in self.layers:
             if layer.kind == KDA:
                 cache.kda[layer.index] = layer.mixer.new_state()
@@ -115,24 +116,26 @@ class Glm5Model:
         return out
 
     def _check_tokens(self, token_ids, cache: Cache) -> np.ndarray:
-        try:
-            tokens = np.asarray(token_ids)
-        except (TypeError, ValueError):
-            raise InputError(f"token ids must be integers, got {token_ids!r}") from None
-        if tokens.ndim != 1 or tokens.size == 0:
-            raise InputError("token ids must be a non-empty 1-D sequence of integers")
-        if not np.issubdtype(tokens.dtype, np.integer):
-            raise InputError(f"token ids must be integers, got dtype {tokens.dtype}")
+        if not isinstance(cache, Cache) or cache.config != self.cfg:
+            raise InputError("the cache was not made by this model: create it with model.new_cache(max_ctx)")
         vocab = self.cfg.vocab_size
-        bad = tokens[(tokens < 0) | (tokens >= vocab)]
-        if bad.size:
-            raise InputError(
-                f"token id {int(bad[0])} is outside the vocab 0..{vocab - 1}; check the tokenizer "
-                "matches this checkpoint"
-            )
-        if cache.pos + tokens.size > cache.max_ctx:
+        seq = np.atleast_1d(np.asarray(token_ids, dtype=object)) if not isinstance(token_ids, np.ndarray) else token_ids
+        if seq.ndim != 1 or seq.size == 0:
+            raise InputError("token ids must be a non-empty 1-D sequence of integers")
+        ids = []
+        for tok in seq.tolist():
+            if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
+                raise InputError(f"token ids must be integers, got {tok!r}")
+            tok = int(tok)
+            ids.append(tok)
+            if not 0 <= tok < vocab:
+                raise InputError(
+                    f"token id {tok} is outside the vocab 0..{vocab - 1}; check the tokenizer matches "
+                    "this checkpoint"
+                )
+        if cache.pos + seq.size > cache.max_ctx:
             raise ContextOverflowError(
-                f"{tokens.size} more tokens at position {cache.pos} would pass max_ctx "
+                f"{seq.size} more tokens at position {cache.pos} would pass max_ctx "
                 f"{cache.max_ctx}; create the cache with a larger max_ctx"
             )
-        return tokens.astype(np.int64)
+        return np.asarray(ids, dtype=np.int64)

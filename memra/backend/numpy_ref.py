@@ -17,7 +17,9 @@ F32 = np.float32
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return (F32(1) / (F32(1) + np.exp(-x))).astype(F32)
+    """1 / (1 + exp(-x)) without overflow: exp only ever sees -|x|."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, F32(1) / (F32(1) + e), e / (F32(1) + e)).astype(F32)
 
 
 def _silu(x: np.ndarray) -> np.ndarray:

@@ -58,3 +58,11 @@ class Cache:
     kda: dict[int, KdaState] = field(default_factory=dict)
     mla: dict[int, LatentPlane] = field(default_factory=dict)
     pos: int = 0
+
+    def check_planes(self) -> None:
+        """Every latent plane must sit at `pos` with its pool keys clamped — checked before a walk
+        writes anything, so a tripped wire leaves the cache as it was."""
+        for layer, plane in self.mla.items():
+            plane.check_append(self.pos, f"layer {layer}")
+            if plane.pool_keys is not None:
+                plane.check_residency(self.config.index_kpool, f"layer {layer}")

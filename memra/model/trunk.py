@@ -94,6 +94,7 @@ class Glm5Model:
         Writes every state plane for the t rows; does not move cache.pos (the caller commits).
         """
         be, cfg = self.be, self.cfg
+        cache.check_planes()
         pos0 = cache.pos
         streams = hyper.expand(be.embed(self.embed_table, tokens), cfg.hc_mult)
         selections: dict[int, object] = {}

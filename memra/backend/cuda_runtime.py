@@ -1,0 +1,55 @@
+"""Compiling and launching memra's .cu kernels through CuPy RawModule.
+
+One `.cu` file per op family lives in memra/kernels_cu/ (package data, with the shared
+`common.cuh`). Each family is compiled once per process by NVRTC, lazily, with the exact-class
+flags: C++17 and no FMA contraction (never fast-math). CuPy itself adds -ftz=true.
+Wrappers pass every scalar as a numpy scalar of the kernel's type: CuPy checks nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+
+import numpy as np
+
+import cupy as cp
+
+OPTIONS = ("--std=c++17", "--fmad=false")
+
+
+def kernel_dir():
+    return resources.files("memra.kernels_cu")
+
+
+@functools.cache
+def module(family: str) -> "cp.RawModule":
+    src = kernel_dir().joinpath(f"{family}.cu").read_text()
+    include = "-I" + str(kernel_dir())
+    mod = cp.RawModule(code=src, options=OPTIONS + (include,))
+    mod.compile()
+    return mod
+
+
+def kernel(family: str, name: str):
+    return module(family).get_function(name)
+
+
+def launch(family: str, name: str, grid, block, args, shared_mem: int = 0) -> None:
+    kernel(family, name)(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+
+
+def i32(v) -> np.int32:
+    return np.int32(v)
+
+
+def f32(v) -> np.float32:
+    return np.float32(v)
+
+
+def check(a, dtype=cp.float32, name: str = "array"):
+    """Kernel arguments must be C-contiguous device arrays of the kernel's dtype."""
+    assert isinstance(a, cp.ndarray), f"{name}: expected a cupy array, got {type(a).__name__}"
+    assert a.dtype == dtype, f"{name}: expected {np.dtype(dtype)}, got {a.dtype}"
+    assert a.flags.c_contiguous, f"{name}: must be C-contiguous"
+    return a

@@ -1,0 +1,328 @@
+"""Row exactness of the numpy reference backend (DESIGN.md section 2, the exact class).
+
+For every op with a row axis and every t in 1..15: row r of one t-row call is bit-identical
+(np.array_equal, never allclose) to the same row computed alone (t = 1). The stateful ops
+(short_conv, kda_recurrence) advance their state over the rows in order, so for them a t-row
+call equals t successive 1-row calls, outputs and final state bit for bit.
+
+The red arm shows the check can fail: a backend whose `linear` batches all rows into one gemm
+(`x @ w.T`) is caught, and a one-ulp change of a single row is caught too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from memra.backend.numpy_ref import NumpyBackend
+
+F32 = np.float32
+T_MAX = 15  # the exact-class row cap (K <= 14)
+ROW_COUNTS = range(1, T_MAX + 1)
+
+
+def _normal(rng, shape, std=1.0):
+    """Float32 normal draws: no subnormals in practice (|x| < 1e-38 has probability ~0)."""
+    return (rng.standard_normal(shape) * std).astype(F32)
+
+
+def _uniform(rng, shape, lo, hi):
+    return rng.uniform(lo, hi, shape).astype(F32)
+
+
+@dataclass(frozen=True)
+class RowCase:
+    """One op of the table: `make(rng, t)` -> (row inputs with a leading t axis, shared inputs);
+    `call(be, rows, shared, r0)` -> tuple of outputs with a leading row axis. r0 is the position
+    offset of the block's first row (only kpool_select uses it)."""
+
+    name: str
+    make: Callable
+    call: Callable
+
+
+def _case(name, make, call):
+    return RowCase(name, make, lambda be, rows, shared, r0: _as_tuple(call(be, rows, shared, r0)))
+
+
+def _as_tuple(out):
+    return tuple(out) if isinstance(out, tuple) else (out,)
+
+
+# ---- input builders for the table -------------------------------------------------------------
+
+def _make_rows_only(**shapes):
+    """Row inputs of the given per-row shapes, N(0, std) with std given as the last element."""
+    def make(rng, t):
+        return {k: _normal(rng, (t, *s[:-1]), s[-1]) for k, s in shapes.items()}, {}
+    return make
+
+
+def _make_embed(rng, t):
+    return {"ids": rng.integers(0, 97, t)}, {"table": _normal(rng, (97, 128))}
+
+
+def _make_linear(d_in, d_out):
+    def make(rng, t):
+        return {"x": _normal(rng, (t, d_in))}, {"w": _normal(rng, (d_out, d_in), d_in ** -0.5)}
+    return make
+
+
+def _make_head_linear(h, d_in, d_out):
+    def make(rng, t):
+        return {"x": _normal(rng, (t, h, d_in))}, {"w": _normal(rng, (h, d_out, d_in), d_in ** -0.5)}
+    return make
+
+
+def _make_norm(shape, weighted=True, bias=False):
+    def make(rng, t):
+        shared = {"w": (1 + 0.3 * _normal(rng, shape[-1:])).astype(F32) if weighted else None}
+        if bias:
+            shared["b"] = _normal(rng, shape[-1:], 0.2)
+        return {"x": _normal(rng, (t, *shape), 2.0)}, shared
+    return make
+
+
+def _make_gated_rmsnorm(rng, t):
+    rows = {"o": _normal(rng, (t, 2, 32)), "gate": _normal(rng, (t, 2, 32), 2.0)}
+    return rows, {"w": (1 + 0.3 * _normal(rng, (32,))).astype(F32)}
+
+
+def _make_swiglu(rng, t):
+    # std 8 so that both clamps at limit 10 engage in most rows
+    return {"gate": _normal(rng, (t, 96), 8.0), "up": _normal(rng, (t, 96), 8.0)}, {}
+
+
+def _make_argmax(rng, t):
+    # small integers: many exact ties, which argmax must break identically per row
+    return {"x": rng.integers(0, 5, (t, 64)).astype(F32)}, {}
+
+
+def _make_kda_gate(rng, t):
+    rows = {"f": _normal(rng, (t, 2, 32), 2.0)}
+    return rows, {"a_log": _uniform(rng, (2,), 0.0, np.log(16.0)), "dt_bias": _normal(rng, (2, 32), 0.5)}
+
+
+def _make_hc_weights(rng, t):
+    n, d = 4, 64
+    shared = {"fn": _normal(rng, ((2 + n) * n, n * d), 2.0 / np.sqrt(n * d)),
+              "base": _normal(rng, ((2 + n) * n,), 0.5), "scale": _uniform(rng, (3,), 0.5, 1.5)}
+    return {"streams": _normal(rng, (t, n, d))}, shared
+
+
+def _make_hc_collapse(rng, t):
+    return {"streams": _normal(rng, (t, 4, 64)), "pre": _uniform(rng, (t, 4), 0.0, 1.0)}, {}
+
+
+def _make_hc_combine(rng, t):
+    rows = {"streams": _normal(rng, (t, 4, 64)), "f": _normal(rng, (t, 64)),
+            "post": _uniform(rng, (t, 4), 0.0, 2.0), "comb": _uniform(rng, (t, 4, 4), 0.0, 0.5)}
+    return rows, {}
+
+
+def _make_kpool_compress(rng, t):
+    rows = {"keys": _normal(rng, (t, 4, 16)), "gates": _normal(rng, (t, 4, 16))}
+    return rows, {"ape": _normal(rng, (4, 16), 0.5)}
+
+
+def _make_moe_route(d, e, n_group):
+    def make(rng, t):
+        shared = {"w_gate": _normal(rng, (e, d), d ** -0.5), "bias": _uniform(rng, (e,), -0.1, 0.1),
+                  "n_group": n_group}
+        return {"x": _normal(rng, (t, d))}, shared
+    return make
+
+
+def _make_moe_experts(rng, t):
+    e, i, d = 8, 32, 64
+    idx = np.sort(np.stack([rng.choice(e, 2, replace=False) for _ in range(t)]), axis=1)
+    rows = {"x": _normal(rng, (t, d)), "idx": idx, "wts": _uniform(rng, (t, 2), 0.1, 2.5)}
+    shared = {"gate_w": _normal(rng, (e, i, d), d ** -0.5), "up_w": _normal(rng, (e, i, d), d ** -0.5),
+              "down_w": _normal(rng, (e, d, i), i ** -0.5)}
+    return rows, shared
+
+
+MLA_LEN, MLA_WIDTH = 40, 11
+
+
+def _make_mla_attend(rng, t):
+    # each row owns its position list: row r sits at position 25 + r and attends a random
+    # ascending subset of 0..25+r, -1 padded to the width
+    positions = np.full((t, MLA_WIDTH), -1, np.int32)
+    for r in range(t):
+        p = 25 + r
+        n = rng.integers(1, MLA_WIDTH + 1)
+        positions[r, :n] = np.sort(rng.choice(p + 1, n, replace=False))
+    rows = {"q_lat": _normal(rng, (t, 4, 32)), "positions": positions}
+    return rows, {"latent": _normal(rng, (MLA_LEN, 32))}
+
+
+KPOOL_POS0 = 5  # rows 5..19: n = (p+1)//4 runs 1..5 pools, so dense and sparse rows mix (G=2)
+
+
+def _make_kpool_select(rng, t):
+    rows = {"q": _normal(rng, (t, 4, 16)), "w": _normal(rng, (t, 4), 0.5)}
+    return rows, {"pool_keys": _normal(rng, (6, 16))}
+
+
+ROW_CASES = [
+    _case("embed", _make_embed, lambda be, r, s, _: be.embed(s["table"], r["ids"])),
+    _case("linear", _make_linear(128, 64), lambda be, r, s, _: be.linear(r["x"], s["w"])),
+    _case("linear_odd", _make_linear(67, 129), lambda be, r, s, _: be.linear(r["x"], s["w"])),
+    _case("head_linear", _make_head_linear(4, 16, 32), lambda be, r, s, _: be.head_linear(r["x"], s["w"])),
+    _case("head_linear_odd", _make_head_linear(3, 17, 13), lambda be, r, s, _: be.head_linear(r["x"], s["w"])),
+    _case("rmsnorm", _make_norm((128,)), lambda be, r, s, _: be.rmsnorm(r["x"], s["w"], 1e-5)),
+    _case("rmsnorm_per_head", _make_norm((2, 33)), lambda be, r, s, _: be.rmsnorm(r["x"], s["w"], 1e-5)),
+    _case("rmsnorm_unweighted", _make_norm((256,), weighted=False),
+          lambda be, r, s, _: be.rmsnorm(r["x"], None, 1e-5)),
+    _case("layernorm", _make_norm((16,), bias=True), lambda be, r, s, _: be.layernorm(r["x"], s["w"], s["b"], 1e-6)),
+    _case("l2norm", _make_rows_only(x=(2, 32, 1.0)), lambda be, r, s, _: be.l2norm(r["x"], 1e-6)),
+    _case("l2norm_odd", _make_rows_only(x=(1, 129, 1.0)), lambda be, r, s, _: be.l2norm(r["x"], 1e-6)),
+    _case("gated_rmsnorm", _make_gated_rmsnorm, lambda be, r, s, _: be.gated_rmsnorm(r["o"], r["gate"], s["w"], 1e-5)),
+    _case("silu", _make_rows_only(x=(129, 3.0)), lambda be, r, s, _: be.silu(r["x"])),
+    _case("sigmoid", _make_rows_only(x=(129, 3.0)), lambda be, r, s, _: be.sigmoid(r["x"])),
+    _case("swiglu", _make_swiglu, lambda be, r, s, _: be.swiglu(r["gate"], r["up"], 10.0)),
+    _case("softmax", _make_rows_only(x=(256, 3.0)), lambda be, r, s, _: be.softmax(r["x"])),
+    _case("argmax", _make_argmax, lambda be, r, s, _: be.argmax(r["x"])),
+    _case("kda_gate_lower_bound", _make_kda_gate,
+          lambda be, r, s, _: be.kda_gate(r["f"], s["a_log"], s["dt_bias"], -5.0)),
+    _case("kda_gate_softplus", _make_kda_gate,
+          lambda be, r, s, _: be.kda_gate(r["f"], s["a_log"], s["dt_bias"], None)),
+    _case("hc_weights", _make_hc_weights,
+          lambda be, r, s, _: be.hc_weights(r["streams"], s["fn"], s["base"], s["scale"], 1e-5, 1e-6, 20)),
+    _case("hc_collapse", _make_hc_collapse, lambda be, r, s, _: be.hc_collapse(r["streams"], r["pre"])),
+    _case("hc_combine", _make_hc_combine,
+          lambda be, r, s, _: be.hc_combine(r["streams"], r["f"], r["post"], r["comb"])),
+    _case("stream_mean", _make_rows_only(streams=(4, 64, 1.0)), lambda be, r, s, _: be.stream_mean(r["streams"])),
+    _case("kpool_compress", _make_kpool_compress,
+          lambda be, r, s, _: be.kpool_compress(r["keys"], r["gates"], s["ape"])),
+    _case("moe_route_grouped", _make_moe_route(64, 8, 2),
+          lambda be, r, s, _: be.moe_route(r["x"], s["w_gate"], s["bias"], s["n_group"], 1, 2, True, 2.5)),
+    _case("moe_route_flat", _make_moe_route(128, 4, 1),
+          lambda be, r, s, _: be.moe_route(r["x"], s["w_gate"], s["bias"], s["n_group"], 1, 2, True, 2.5)),
+    _case("moe_experts", _make_moe_experts,
+          lambda be, r, s, _: be.moe_experts(r["x"], r["idx"], r["wts"], s["gate_w"], s["up_w"], s["down_w"], 10.0)),
+    _case("mla_attend", _make_mla_attend,
+          lambda be, r, s, _: be.mla_attend(r["q_lat"], s["latent"], r["positions"], 32 ** -0.5)),
+    _case("kpool_select", _make_kpool_select,
+          lambda be, r, s, r0: be.kpool_select(r["q"], r["w"], s["pool_keys"], KPOOL_POS0 + r0, 4, 2, 11, 16 ** -0.5)),
+]
+
+
+# ---- the check ------------------------------------------------------------------------------
+
+def _mismatched_rows(full: tuple, alone: list[tuple]) -> list[tuple[int, int]]:
+    """(row, output index) pairs where row r of the t-row outputs is not bit-identical to the
+    row computed alone. Shapes and dtypes must agree too."""
+    bad = []
+    for r, single in enumerate(alone):
+        assert len(single) == len(full)
+        for i, (a, b) in enumerate(zip(full, single)):
+            assert b.shape[0] == 1 and a.dtype == b.dtype, (a.dtype, b.dtype, b.shape)
+            if not np.array_equal(a[r], b[0]):
+                bad.append((r, i))
+    return bad
+
+
+def _row_invariance_failures(be, case: RowCase, t: int, seed: int = 0):
+    rows, shared = case.make(np.random.default_rng([seed, t]), t)
+    full = case.call(be, rows, shared, 0)
+    alone = [case.call(be, {k: v[r:r + 1] for k, v in rows.items()}, shared, r) for r in range(t)]
+    for out in full:
+        assert out.shape[0] == t
+    return _mismatched_rows(full, alone)
+
+
+@pytest.mark.parametrize("t", ROW_COUNTS)
+@pytest.mark.parametrize("case", ROW_CASES, ids=lambda c: c.name)
+def test_row_of_t_row_call_is_bit_identical_to_row_alone(case, t):
+    assert _row_invariance_failures(NumpyBackend(), case, t) == []
+
+
+def test_row_table_covers_every_row_op_of_the_backend():
+    """A new backend op must join the table (or be listed here as having no row axis)."""
+    no_row_axis = {"asarray", "weight", "matrix", "zeros", "to_host", "concat", "name",
+                   "short_conv", "kda_recurrence"}  # the last two: the stateful table below
+    ops = {n for n in dir(NumpyBackend) if not n.startswith("_")}
+    covered = {c.name for c in ROW_CASES}
+    missing = [op for op in ops - no_row_axis if not any(c == op or c.startswith(op + "_") for c in covered)]
+    assert missing == []
+
+
+# ---- stateful ops: one t-row call == t successive 1-row calls ---------------------------------
+
+def _short_conv_case(rng, t):
+    c, k = 3 * 64, 4
+    inputs = {"x": _normal(rng, (t, c))}
+    return inputs, {"w": _normal(rng, (c, k), 0.5)}, _normal(rng, (k - 1, c))  # ring with history
+
+
+def _kda_recurrence_case(rng, t):
+    hk, dk = 2, 32
+
+    def unit(a):
+        return (a / np.sqrt((a * a).sum(-1, keepdims=True) + F32(1e-6))).astype(F32)
+
+    inputs = {"q": (unit(_normal(rng, (t, hk, dk))) * F32(dk ** -0.5)).astype(F32),
+              "k": unit(_normal(rng, (t, hk, dk))), "v": _normal(rng, (t, hk, dk)),
+              "g": _uniform(rng, (t, hk, dk), -5.0, -0.01), "beta": _uniform(rng, (t, hk), 0.05, 0.95)}
+    return inputs, {}, _normal(rng, (hk, dk, dk), 0.3)
+
+
+STATEFUL = {
+    "short_conv": (_short_conv_case, lambda be, i, s, st: be.short_conv(i["x"], st, s["w"])),
+    "kda_recurrence": (_kda_recurrence_case,
+                       lambda be, i, s, st: be.kda_recurrence(i["q"], i["k"], i["v"], i["g"], i["beta"], st)),
+}
+
+
+@pytest.mark.parametrize("t", ROW_COUNTS)
+@pytest.mark.parametrize("op", sorted(STATEFUL))
+def test_stateful_t_row_call_equals_t_successive_single_row_calls(op, t):
+    make, call = STATEFUL[op]
+    be = NumpyBackend()
+    inputs, shared, state0 = make(np.random.default_rng([1, t]), t)
+    state_full, state_step = state0.copy(), state0.copy()
+    full = call(be, inputs, shared, state_full)
+    steps = [call(be, {k: v[r:r + 1] for k, v in inputs.items()}, shared, state_step) for r in range(t)]
+    assert _mismatched_rows((full,), [(s,) for s in steps]) == []
+    assert np.array_equal(state_full, state_step)
+    assert not np.array_equal(state_full, state0)  # the state really advanced
+
+
+# ---- red arm: the check can fail ---------------------------------------------------------------
+
+class _BatchedGemmBackend(NumpyBackend):
+    """The mutation: `linear` as one gemm over all rows, as a prime-class kernel would do."""
+
+    def linear(self, x, w):
+        return (x @ w.T).astype(F32)
+
+
+@pytest.mark.parametrize("case", [c for c in ROW_CASES if c.name.startswith("linear")], ids=lambda c: c.name)
+def test_red_arm_batched_gemm_linear_breaks_row_invariance(case):
+    failing_t = [t for t in range(2, T_MAX + 1) if _row_invariance_failures(_BatchedGemmBackend(), case, t)]
+    assert failing_t, "one gemm over t rows matched per-row gemv bit for bit for every t in 2..15"
+    assert _row_invariance_failures(NumpyBackend(), case, max(failing_t)) == []  # green arm beside it
+
+
+def test_red_arm_one_ulp_change_in_one_row_is_detected():
+    rng = np.random.default_rng(7)
+    full = (_normal(rng, (15, 64)),)
+    alone = [(full[0][r:r + 1].copy(),) for r in range(15)]
+    assert _mismatched_rows(full, alone) == []
+    alone[9][0][0, 31] = np.nextafter(alone[9][0][0, 31], F32(np.inf))
+    assert _mismatched_rows(full, alone) == [(9, 0)]
+
+
+# ---- saturation ---------------------------------------------------------------------------------
+
+def test_sigmoid_saturates_without_overflow_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = NumpyBackend().sigmoid(np.array([[-100.0, 100.0]], F32))
+    assert 0 <= out[0, 0] < 1e-30 and out[0, 1] == 1

@@ -1,0 +1,600 @@
+"""Each model block against plain step-by-step formulas written independently here.
+
+The references are naive float64 loops over rows, heads and positions, taken from
+research/kda.md (sections 0, 2), research/glm5_blocks.md (2b, 3, 4) and DESIGN.md section 3;
+they share no code with memra. Float32 blocks are compared with RTOL/ATOL; statements about
+one float32 code path against itself (chunking, rollback) are bit-exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from memra.backend.numpy_ref import NumpyBackend
+from memra.checkpoint import expected_tensors
+from memra.config import ModelConfig, preset
+from memra.errors import ResidencyError
+from memra.model.cache import LatentPlane
+from memra.model.hyper import HcSite
+from memra.model.kda import KdaMixer
+from memra.model.mla import MlaMixer
+from memra.model.moe import DenseMlp, Moe
+from memra.model.trunk import Glm5Model
+
+RTOL, ATOL = 1e-5, 1e-6        # float32 block vs float64 reference (ATOL per unit of output scale)
+SINKHORN_TOL = 1e-3            # doubly-stochastic residual after hc_sinkhorn_iters = 20
+F32 = np.float32
+SMALL = ModelConfig.from_dict(preset("small"))
+MINI = ModelConfig.from_dict(preset("mini"))
+
+
+# ---- plain float64 helpers -------------------------------------------------------------------
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def softplus(x):
+    return np.log1p(np.exp(x))
+
+
+def softmax(x, axis=-1):
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def rmsnorm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x) + eps) * (1.0 if w is None else w)
+
+
+def top_lowest_index(scores, k):
+    """The k best indices (ties to the lower index), ascending."""
+    return sorted(sorted(range(len(scores)), key=lambda j: (-scores[j], j))[:k])
+
+
+def f64(a):
+    return np.asarray(a, np.float64)
+
+
+def assert_close(got, want):
+    """RTOL/ATOL with the absolute part relative to the output's scale (max |want|, at least 1):
+    float32 sums of large terms carry absolute rounding proportional to their magnitude."""
+    want = np.asarray(want, np.float64)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * max(1.0, float(np.abs(want).max())))
+
+
+def random_weights(shapes: dict, seed: int) -> dict:
+    """float32 tensors: norms ~1+0.3N, linear ~N(0, 1/sqrt(fan_in)), embed ~N(0,1), the rest
+    in the ranges their parameters take (research/kda.md 1b, glm5_blocks.md 3a, 4a)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in shapes.items():
+        leaf = name.split(".")[-2] if name.endswith((".weight", ".bias")) else name.split(".")[-1]
+        if name.endswith("norm.weight"):
+            arr = 1.0 + 0.3 * rng.standard_normal(shape)
+        elif name == "embed_tokens.weight":
+            arr = rng.standard_normal(shape)
+        elif leaf == "A_log":
+            arr = rng.uniform(0.0, np.log(16.0), shape)
+        elif leaf in ("dt_bias", "index_kpool_compress_ape") or name.endswith("_base"):
+            arr = 0.5 * rng.standard_normal(shape)
+        elif name.endswith("_scale"):
+            arr = rng.uniform(0.5, 1.5, shape)
+        elif name.endswith("k_norm.bias"):
+            arr = 0.2 * rng.standard_normal(shape)
+        elif leaf == "e_score_correction_bias":
+            arr = rng.uniform(-0.1, 0.1, shape)
+        elif leaf.endswith("conv1d"):
+            arr = 0.5 * rng.standard_normal(shape)
+        else:
+            assert len(shape) == 2, name
+            arr = rng.standard_normal(shape) / np.sqrt(shape[1])
+        out[name] = arr.astype(F32)
+    return out
+
+
+def rows(seed, t, d, std=1.0):
+    return (np.random.default_rng(seed).standard_normal((t, d)) * std).astype(F32)
+
+
+# ---- KDA --------------------------------------------------------------------------------------
+
+def kda_shapes(cfg):
+    d, hk, dk, k = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+    c = hk * dk
+    return {"q_proj.weight": (c, d), "k_proj.weight": (c, d), "v_proj.weight": (c, d),
+            "q_conv1d.weight": (c, 1, k), "k_conv1d.weight": (c, 1, k), "v_conv1d.weight": (c, 1, k),
+            "f_a_proj.weight": (dk, d), "f_b_proj.weight": (c, dk), "A_log": (hk,), "dt_bias": (c,),
+            "b_proj.weight": (hk, d), "g_a_proj.weight": (dk, d), "g_b_proj.weight": (c, dk),
+            "o_norm.weight": (dk,), "o_proj.weight": (d, c)}
+
+
+def naive_kda(W, x, cfg):
+    """research/kda.md section 0 + 2, one row and one head at a time. Returns (out, S)."""
+    W = {k: f64(v) for k, v in W.items()}
+    x = f64(x)
+    t_len, hk, dk, kk = x.shape[0], cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+    lb = cfg.linear_lower_bound
+
+    def conv_silu(part):
+        u = x @ W[f"{part}_proj.weight"].T
+        w = W[f"{part}_conv1d.weight"][:, 0, :]
+        y = np.zeros_like(u)
+        for t in range(t_len):
+            for i in range(kk):  # causal cross-correlation, zero history
+                if t - kk + 1 + i >= 0:
+                    y[t] += w[:, i] * u[t - kk + 1 + i]
+        return silu(y)
+
+    q, k, v = conv_silu("q"), conv_silu("k"), conv_silu("v")
+    S = np.zeros((hk, dk, dk))
+    out = np.zeros((t_len, x.shape[1]))
+    for t in range(t_len):
+        f = W["f_b_proj.weight"] @ (W["f_a_proj.weight"] @ x[t])
+        gate = W["g_b_proj.weight"] @ (W["g_a_proj.weight"] @ x[t])
+        beta = sigmoid(W["b_proj.weight"] @ x[t])
+        y = np.zeros(hk * dk)
+        for h in range(hk):
+            sl = slice(h * dk, (h + 1) * dk)
+            qh = q[t, sl] / np.sqrt(np.sum(q[t, sl] ** 2) + 1e-6) * dk ** -0.5
+            kh = k[t, sl] / np.sqrt(np.sum(k[t, sl] ** 2) + 1e-6)
+            z = f[sl] + W["dt_bias"][sl]
+            rate = np.exp(W["A_log"][h])
+            g = lb * sigmoid(rate * z) if lb is not None else -rate * softplus(z)
+            S[h] = S[h] * np.exp(g)[:, None]
+            S[h] = S[h] + np.outer(kh, beta[h] * (v[t, sl] - S[h].T @ kh))
+            o = S[h].T @ qh
+            y[sl] = rmsnorm(o, W["o_norm.weight"], cfg.rms_norm_eps) * sigmoid(gate[sl])
+        out[t] = W["o_proj.weight"] @ y
+    return out, S
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["sigmoid_lower_bound_gate", "softplus_gate"])
+def test_kda_mixer_matches_naive_delta_rule_formula(lower_bound):
+    cfg = dataclasses.replace(SMALL, linear_lower_bound=lower_bound)
+    W = random_weights(kda_shapes(cfg), seed=1)
+    mixer = KdaMixer(NumpyBackend(), lambda n: W[n], cfg)
+    x = rows(2, 13, cfg.hidden_size)
+    st = mixer.new_state()
+    got = mixer(x, st)
+    want, S = naive_kda(W, x, cfg)
+    assert_close(got, want)
+    assert_close(st.state, S)
+
+
+def test_kda_mixer_in_chunks_is_bit_identical_to_one_call():
+    W = random_weights(kda_shapes(SMALL), seed=3)
+    mixer = KdaMixer(NumpyBackend(), lambda n: W[n], SMALL)
+    x = rows(4, 13, SMALL.hidden_size)
+    whole, parts = mixer.new_state(), mixer.new_state()
+    one = mixer(x, whole)
+    chunked = np.concatenate([mixer(x[a:b], parts) for a, b in ((0, 5), (5, 6), (6, 13))])
+    assert np.array_equal(one, chunked)
+    assert np.array_equal(whole.state, parts.state) and np.array_equal(whole.ring, parts.ring)
+
+
+def test_kda_l2norm_puts_eps_inside_the_sqrt():
+    x = np.zeros((1, 1, 32), F32)
+    x[0, 0, 0] = 1e-3  # sum x^2 = 1e-6 = eps: inside the sqrt gives 1/sqrt(2), outside ~1
+    got = NumpyBackend().l2norm(x, 1e-6)
+    assert got[0, 0, 0] == pytest.approx(1e-3 / np.sqrt(1e-6 + 1e-6), rel=1e-6)
+
+
+# ---- kpool indexer ----------------------------------------------------------------------------
+
+def naive_selection(q, w, pool_keys, p, pool, budget, scale):
+    """glm5_blocks.md 2b for the row at position p: attended positions, ascending."""
+    n = (p + 1) // pool
+    if n <= budget:
+        return list(range(p + 1))
+    scores = [sum(w[h] * max(scale * float(f64(q[h]) @ f64(pool_keys[j])), 0.0) for h in range(len(w)))
+              for j in range(n)]
+    chosen = top_lowest_index(scores, budget)
+    return [j * pool + m for j in chosen for m in range(pool)] + list(range(n * pool, p + 1))
+
+
+def as_list(selection_row):
+    return [int(i) for i in selection_row if i >= 0]
+
+
+def test_kpool_select_matches_brute_force_top_pools_plus_tail():
+    rng = np.random.default_rng(5)
+    hi, di, pool, budget = 4, 16, 4, 2
+    width = budget * pool + pool - 1
+    keys = rng.standard_normal((13, di)).astype(F32)
+    be, sparse_rows = NumpyBackend(), 0
+    for pos0 in range(0, 50, 10):  # rows 0..49: dense up to p = 10, then 3..12 pools
+        q = rng.standard_normal((10, hi, di)).astype(F32)
+        w = rng.standard_normal((10, hi)).astype(F32)
+        got = be.kpool_select(q, w, keys, pos0, pool, budget, width, di ** -0.5)
+        for r in range(10):
+            p = pos0 + r
+            want = naive_selection(q[r], w[r], keys, p, pool, budget, di ** -0.5)
+            assert as_list(got[r]) == want, p
+            assert np.all(got[r, len(want):] == -1)
+            sparse_rows += (p + 1) // pool > budget
+    assert sparse_rows == 39  # the sparse regime really ran
+
+
+def test_kpool_select_dense_regime_attends_every_position():
+    be, di = NumpyBackend(), 8
+    q, w = np.ones((11, 1, di), F32), np.ones((11, 1), F32)
+    got = be.kpool_select(q, w, np.ones((3, di), F32), 0, 4, 2, 11, di ** -0.5)
+    for p in range(11):  # n = (p+1)//4 <= 2 = budget
+        assert as_list(got[p]) == list(range(p + 1))
+
+
+def test_kpool_select_score_ties_go_to_the_lower_pool():
+    be, di = NumpyBackend(), 4
+    q, w = np.array([[[1, 0, 0, 0]]], F32), np.array([[1.0]], F32)
+    # exactly representable scores 0.5*[1, 2, 1, 2, 2]: pools 1, 3, 4 tie for the best
+    keys = np.array([[1, 0, 0, 0], [2, 0, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [2, 0, 0, 0]], F32)
+    got = be.kpool_select(q, w, keys, 21, 4, 2, 11, di ** -0.5)
+    assert as_list(got[0]) == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21]
+    # every score relu-clamped to exactly 0: pools 0 and 1 win
+    got = be.kpool_select(q, w, -keys, 21, 4, 2, 11, di ** -0.5)
+    assert as_list(got[0]) == [0, 1, 2, 3, 4, 5, 6, 7, 20, 21]
+
+
+def test_kpool_compress_is_per_channel_softmax_over_slots_of_gate_plus_ape():
+    rng = np.random.default_rng(6)
+    keys, gates = rng.standard_normal((2, 5, 4, 16)).astype(F32)
+    ape = (0.5 * rng.standard_normal((4, 16))).astype(F32)
+    got = NumpyBackend().kpool_compress(keys, gates, ape)
+    want = np.zeros((5, 16))
+    for j in range(5):
+        for d in range(16):
+            a = [float(gates[j, m, d]) + float(ape[m, d]) for m in range(4)]
+            want[j, d] = sum(softmax(np.array(a))[m] * float(keys[j, m, d]) for m in range(4))
+    assert_close(got, want)
+
+
+# ---- MLA + indexer ----------------------------------------------------------------------------
+
+def mla_shapes(cfg):
+    d, h, rq, r = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    dn, dv, hi, di, p = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+    return {"q_a_proj.weight": (rq, d), "q_a_layernorm.weight": (rq,), "q_b_proj.weight": (h * dn, rq),
+            "kv_a_proj_with_mqa.weight": (r, d), "kv_a_layernorm.weight": (r,),
+            "kv_b_proj.weight": (h * (dn + dv), r), "o_proj.weight": (d, h * dv),
+            "indexer.wq_b.weight": (hi * di, rq), "indexer.wk.weight": (di, d),
+            "indexer.k_norm.weight": (di,), "indexer.k_norm.bias": (di,),
+            "indexer.weights_proj.weight": (hi, d), "indexer.index_kpool_compress_gate": (di, d),
+            "indexer.index_kpool_compress_ape": (p, di)}
+
+
+def naive_mla(W, x, cfg, attended):
+    """Expanded-form NoPE MLA (glm5_blocks.md 1): k_nope = W_UK c, v = W_UV c per head; row p
+    attends the positions attended(p) with softmax(q.k * qk_head_dim^-0.5)."""
+    W = {k: f64(v) for k, v in W.items()}
+    x, eps = f64(x), cfg.rms_norm_eps
+    h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    kv_b = W["kv_b_proj.weight"].reshape(h, dn + dv, -1)
+    c = np.array([rmsnorm(W["kv_a_proj_with_mqa.weight"] @ xt, W["kv_a_layernorm.weight"], eps) for xt in x])
+    out = np.zeros_like(x)
+    for p in range(len(x)):
+        qr = rmsnorm(W["q_a_proj.weight"] @ x[p], W["q_a_layernorm.weight"], eps)
+        q = (W["q_b_proj.weight"] @ qr).reshape(h, dn)
+        o = np.zeros(h * dv)
+        for head in range(h):
+            ks = [kv_b[head, :dn] @ c[j] for j in attended(p)]
+            vs = [kv_b[head, dn:] @ c[j] for j in attended(p)]
+            prob = softmax(np.array([q[head] @ kj for kj in ks]) * cfg.qk_head_dim ** -0.5)
+            o[head * dv:(head + 1) * dv] = sum(pj * vj for pj, vj in zip(prob, vs))
+        out[p] = W["o_proj.weight"] @ o
+    return out
+
+
+def naive_indexer_selection(W, x, cfg):
+    """The kpool selection of every row from the layer input alone (glm5_blocks.md 2a, 2b)."""
+    W = {k: f64(v) for k, v in W.items()}
+    x, pool, hi, di = f64(x), cfg.index_kpool, cfg.index_n_heads, cfg.index_head_dim
+    kk = W["indexer.wk.weight"] @ x.T  # [Di, T]
+    mu, var = kk.mean(0), kk.var(0)
+    k_idx = ((kk - mu) / np.sqrt(var + 1e-6)).T * W["indexer.k_norm.weight"] + W["indexer.k_norm.bias"]
+    gates = x @ W["indexer.index_kpool_compress_gate"].T
+    pks = np.array([(softmax(gates[j * pool:(j + 1) * pool] + W["indexer.index_kpool_compress_ape"], axis=0)
+                     * k_idx[j * pool:(j + 1) * pool]).sum(0) for j in range(len(x) // pool)])
+    out, margins = [], []
+    for p in range(len(x)):
+        qr = rmsnorm(W["q_a_proj.weight"] @ x[p], W["q_a_layernorm.weight"], cfg.rms_norm_eps)
+        q = (W["indexer.wq_b.weight"] @ qr).reshape(hi, di)
+        w = (W["indexer.weights_proj.weight"] @ x[p]) * hi ** -0.5
+        out.append(naive_selection(q, w, pks, p, pool, cfg.index_pool_budget, di ** -0.5))
+        n = (p + 1) // pool
+        if n > cfg.index_pool_budget:
+            s = sorted((sum(w[h] * max(di ** -0.5 * q[h] @ pks[j], 0) for h in range(hi)) for j in range(n)),
+                       reverse=True)
+            margins.append(s[cfg.index_pool_budget - 1] - s[cfg.index_pool_budget])
+    return out, margins
+
+
+def run_mla(cfg, W, x, chunks):
+    mixer = MlaMixer(NumpyBackend(), lambda n: W[n], cfg, with_indexer=True)
+    plane = mixer.new_plane(64)
+    outs, sels = [], []
+    for a, b in chunks:
+        o, s = mixer(x[a:b], plane, a, None, "layer under test")
+        outs.append(o)
+        sels += [as_list(r) for r in s]
+    return np.concatenate(outs), sels
+
+
+def test_mla_absorbed_decode_matches_expanded_causal_attention_in_dense_regime():
+    W = random_weights(mla_shapes(SMALL), seed=7)
+    x = rows(8, 11, SMALL.hidden_size)  # p+1 < (G+1)*P = 12: every row is dense
+    got, sels = run_mla(SMALL, W, x, [(0, 5), (5, 6), (6, 11)])
+    assert sels == [list(range(p + 1)) for p in range(11)]
+    assert_close(got, naive_mla(W, x, SMALL, lambda p: range(p + 1)))
+
+
+def test_mla_sparse_regime_attends_exactly_the_indexer_selection():
+    W = random_weights(mla_shapes(SMALL), seed=9)
+    x = rows(10, 30, SMALL.hidden_size)
+    got, sels = run_mla(SMALL, W, x, [(0, 7), (7, 8), (8, 20), (20, 21), (21, 30)])
+    want_sels, margins = naive_indexer_selection(W, x, SMALL)
+    assert min(margins) > 1e-4  # fixture guard: no near-tie at the budget boundary
+    assert sels == want_sels
+    assert sum(len(s) < p + 1 for p, s in enumerate(sels)) == 19  # rows 11..29 are sparse
+    assert_close(got, naive_mla(W, x, SMALL, lambda p: sels[p]))
+    # the red arm beside it: dense attention is a different answer on the sparse rows
+    assert not np.allclose(got[11:], naive_mla(W, x, SMALL, lambda p: range(p + 1))[11:], rtol=1e-3)
+
+
+# ---- mHC --------------------------------------------------------------------------------------
+
+def hc_site_weights(cfg, seed, std=0.5):
+    n, d = cfg.hc_mult, cfg.hidden_size
+    rng = np.random.default_rng(seed)
+    m = (2 + n) * n
+    return {"hc_fn": (rng.standard_normal((m, n * d)) * std / np.sqrt(n * d)).astype(F32),
+            "hc_base": (0.5 * rng.standard_normal(m)).astype(F32),
+            "hc_scale": rng.uniform(0.5, 1.5, 3).astype(F32)}
+
+
+def naive_hc_weights(X, W, cfg, iters=None):
+    """glm5_blocks.md 3a for one row X [n, D] (iters: Sinkhorn normalisations, default the config's)."""
+    n, eps = cfg.hc_mult, cfg.hc_eps
+    fn, base, scale = f64(W["hc_fn"]), f64(W["hc_base"]), f64(W["hc_scale"])
+    v = f64(X).reshape(-1)
+    m = (fn @ v) / np.sqrt(np.mean(v * v) + cfg.rms_norm_eps)
+    pre = sigmoid(scale[0] * m[:n] + base[:n]) + eps
+    post = 2 * sigmoid(scale[1] * m[n:2 * n] + base[n:2 * n])
+    c = softmax(scale[2] * m[2 * n:].reshape(n, n) + base[2 * n:].reshape(n, n), axis=1) + eps
+    c = c / (c.sum(0, keepdims=True) + eps)
+    for _ in range((iters or cfg.hc_sinkhorn_iters) - 1):
+        c = c / (c.sum(1, keepdims=True) + eps)
+        c = c / (c.sum(0, keepdims=True) + eps)
+    return pre, post, c
+
+
+def test_hc_weights_comb_is_doubly_stochastic_with_bounded_pre_and_post():
+    cfg, W = MINI, hc_site_weights(MINI, seed=11)
+    X = rows(12, 8 * cfg.hc_mult, cfg.hidden_size, std=2.0).reshape(8, cfg.hc_mult, cfg.hidden_size)
+    pre, post, comb = NumpyBackend().hc_weights(X, W["hc_fn"], W["hc_base"], W["hc_scale"],
+                                               cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    # sums are ~1 - O(hc_eps) (each normalisation divides by sum + hc_eps), far inside the bound
+    np.testing.assert_allclose(comb.sum(axis=2), 1.0, atol=SINKHORN_TOL)
+    np.testing.assert_allclose(comb.sum(axis=1), 1.0, atol=SINKHORN_TOL)
+    assert np.all(comb > 0)
+    assert np.all((pre > cfg.hc_eps) & (pre < 1 + cfg.hc_eps)) and np.all((post > 0) & (post < 2))
+    for r in range(len(X)):
+        for got, want in zip((pre[r], post[r], comb[r]), naive_hc_weights(X[r], W, cfg)):
+            assert_close(got, want)
+
+
+def test_hc_weights_runs_exactly_hc_sinkhorn_iters_normalisations():
+    # peaked logits: Sinkhorn is still moving at 20 iterations, so 19 or 21 would show
+    cfg, W = MINI, hc_site_weights(MINI, seed=11, std=4.0)
+    X = rows(12, 8 * cfg.hc_mult, cfg.hidden_size, std=2.0).reshape(8, cfg.hc_mult, cfg.hidden_size)
+    _, _, comb = NumpyBackend().hc_weights(X, W["hc_fn"], W["hc_base"], W["hc_scale"],
+                                           cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    want = {it: np.array([naive_hc_weights(x, W, cfg, it)[2] for x in X]) for it in (19, 20, 21)}
+    assert_close(comb, want[20])
+    assert not np.allclose(comb, want[19], rtol=1e-4) and not np.allclose(comb, want[21], rtol=1e-4)
+
+
+def test_hc_combine_uses_comb_transposed():
+    rng = np.random.default_rng(13)
+    n, d = 4, 8
+    X = rng.standard_normal((1, n, d)).astype(F32)
+    f = rng.standard_normal((1, d)).astype(F32)
+    post = np.array([[0.5, 1.0, 1.5, 0.25]], F32)
+    comb = np.array([[[0.7, 0.3, 0, 0], [0, 0.5, 0.5, 0], [0, 0.2, 0.5, 0.3], [0.3, 0, 0, 0.7]]], F32)
+    assert not np.array_equal(comb[0], comb[0].T)  # a check that would fail for C instead of C^T
+    got = NumpyBackend().hc_combine(X, f, post, comb)
+    C, Xs = f64(comb[0]), f64(X[0])
+    want = np.array([post[0, b] * f64(f[0]) + sum(C[a, b] * Xs[a] for a in range(n)) for b in range(n)])
+    wrong = np.array([post[0, b] * f64(f[0]) + sum(C[b, a] * Xs[a] for a in range(n)) for b in range(n)])
+    assert_close(got[0], want)
+    assert not np.allclose(got[0], wrong, atol=1e-2)
+
+
+def test_hc_site_feeds_pre_weighted_sum_and_writes_post_f_plus_comb_transposed():
+    cfg = MINI
+    W = hc_site_weights(cfg, seed=14)
+    site = HcSite(NumpyBackend(), {"s" + k[2:]: v for k, v in W.items()}, "s", cfg)
+    M = rows(15, cfg.hidden_size, cfg.hidden_size, std=cfg.hidden_size ** -0.5)
+    X = rows(16, 3 * cfg.hc_mult, cfg.hidden_size).reshape(3, cfg.hc_mult, cfg.hidden_size)
+    got = site(X, lambda y: np.tanh(y @ M).astype(F32))
+    for r in range(3):
+        pre, post, C = naive_hc_weights(X[r], W, cfg)
+        y = sum(pre[i] * f64(X[r, i]) for i in range(cfg.hc_mult))
+        f = np.tanh(y @ f64(M))
+        want = [post[b] * f + sum(C[a, b] * f64(X[r, a]) for a in range(cfg.hc_mult)) for b in range(cfg.hc_mult)]
+        assert_close(got[r], np.array(want))
+
+
+# ---- MoE and SwiGLU ---------------------------------------------------------------------------
+
+def route(scores_logits, bias, scaling=2.5, k=2, n_group=1, topk_group=1):
+    """moe_route on one row whose router logits are exactly `scores_logits` (x = e_0)."""
+    e = len(scores_logits)
+    x = np.zeros((1, 4), F32)
+    x[0, 0] = 1.0
+    w_gate = np.zeros((e, 4), F32)
+    w_gate[:, 0] = scores_logits
+    idx, wts = NumpyBackend().moe_route(x, w_gate, np.asarray(bias, F32), n_group, topk_group, k, True, scaling)
+    return list(idx[0]), wts[0]
+
+
+def test_moe_route_chooses_by_biased_score_but_weighs_by_unbiased_score():
+    logits = np.array([2.0, 1.0, 0.0, -1.0], F32)
+    assert route(logits, [0, 0, 0, 0])[0] == [0, 1]
+    experts, wts = route(logits, [0, 0, 0, 1.0])  # the bias lifts expert 3 past 1
+    assert experts == [0, 3]
+    s = sigmoid(f64(logits))[[0, 3]]
+    np.testing.assert_allclose(wts, s / s.sum() * 2.5, rtol=RTOL)
+
+
+def test_moe_grouped_route_picks_only_from_group_with_best_top2_sum():
+    # biased scores: group 0 = [.95 .3 .3 .3] (max .95, sum 1.85, top-2 sum 1.25);
+    # group 1 = [.1 .7 .65 .1] (top-2 sum 1.35): only the top-2-sum rule keeps group 1
+    target = np.array([0.95, 0.3, 0.3, 0.3, 0.1, 0.7, 0.65, 0.1])
+    logits = np.linspace(-1.0, 1.0, 8).astype(F32)
+    bias = target - sigmoid(f64(logits))
+    experts, wts = route(logits, bias, n_group=2, topk_group=1)
+    assert experts == [5, 6]
+    s = sigmoid(f64(logits))[[5, 6]]
+    np.testing.assert_allclose(wts, s / s.sum() * 2.5, rtol=RTOL)
+
+
+def test_moe_route_ties_go_to_the_lower_index():
+    flat = np.zeros(8, F32)  # sigmoid(0) = 0.5 exactly: every biased score is exact
+    assert route(flat[:4], [0, 0.25, 0, 0])[0] == [0, 1]
+    assert route(flat, [0, 0.25, 0, 0, 0, 0, 0.25, 0], n_group=2)[0] == [0, 1]  # tied groups: group 0
+    assert route(flat, np.zeros(8), n_group=2)[0] == [0, 1]
+
+
+def naive_swiglu(gate, up, limit):
+    return silu(np.minimum(f64(gate), limit)) * np.clip(f64(up), -limit, limit)
+
+
+def naive_moe(W, x, cfg):
+    W = {k: f64(v) for k, v in W.items()}
+    out = np.zeros((len(x), cfg.hidden_size))
+
+    def mlp(p, xr):
+        return W[p + "down_proj.weight"] @ naive_swiglu(
+            W[p + "gate_proj.weight"] @ xr, W[p + "up_proj.weight"] @ xr, cfg.swiglu_limit)
+
+    e, g = cfg.n_routed_experts, cfg.n_group
+    for r, xr in enumerate(f64(x)):
+        s = sigmoid(W["gate.weight"] @ xr)
+        sb = s + W["gate.e_score_correction_bias"]
+        group_score = [sum(sorted(sb[i * e // g:(i + 1) * e // g])[-2:]) for i in range(g)]
+        keep = top_lowest_index(group_score, cfg.topk_group)
+        masked = [sb[j] if j // (e // g) in keep else -np.inf for j in range(e)]
+        chosen = top_lowest_index(masked, cfg.num_experts_per_tok)
+        wts = s[chosen] / s[chosen].sum() * cfg.routed_scaling_factor
+        out[r] = sum(wt * mlp(f"experts.{j}.", xr) for j, wt in zip(chosen, wts)) + mlp("shared_experts.", xr)
+    return out
+
+
+def test_moe_block_matches_naive_grouped_routing_and_shared_expert():
+    cfg = SMALL
+    shapes = {k[len("layers.1.mlp."):]: v for k, v in expected_tensors(cfg).items() if k.startswith("layers.1.mlp.")}
+    W = random_weights(shapes, seed=17)
+    x = rows(18, 12, cfg.hidden_size, std=3.0)
+    assert_close(Moe(NumpyBackend(), lambda n: W[n], cfg)(x), naive_moe(W, x, cfg))
+
+
+def test_dense_mlp_matches_naive_clamped_swiglu():
+    d, i = 64, 96
+    W = random_weights({"gate_proj.weight": (i, d), "up_proj.weight": (i, d), "down_proj.weight": (d, i)}, seed=19)
+    x = rows(20, 6, d, std=12.0)  # large enough that both clamps engage
+    got = DenseMlp(NumpyBackend(), lambda n: W[n], 10.0)(x)
+    Wd = {k: f64(v) for k, v in W.items()}
+    want = [Wd["down_proj.weight"] @ naive_swiglu(Wd["gate_proj.weight"] @ xr, Wd["up_proj.weight"] @ xr, 10.0)
+            for xr in f64(x)]
+    assert_close(got, np.array(want))
+
+
+def test_swiglu_clamps_gate_above_only_and_up_on_both_sides():
+    gate = np.array([[-12.0, -12.0, 30.0, 30.0, 3.0, 3.0]], F32)
+    up = np.array([[1.0, -30.0, 1.0, 30.0, -30.0, 5.0]], F32)
+    got = NumpyBackend().swiglu(gate, up, 10.0)
+    assert_close(got, naive_swiglu(gate, up, 10.0))
+    assert got[0, 0] == pytest.approx(silu(-12.0), rel=1e-5)   # gate -12 passes unclamped
+    assert got[0, 0] != pytest.approx(silu(-10.0), rel=1e-2)
+    assert got[0, 2] == pytest.approx(silu(10.0), rel=1e-5)    # gate 30 -> 10
+    assert got[0, 1] == pytest.approx(-10 * silu(-12.0), rel=1e-5) and got[0, 3] == pytest.approx(10 * silu(10.0))
+
+
+# ---- the residency tripwire -------------------------------------------------------------------
+
+def test_latent_plane_with_pools_past_length_raises_residency_error_naming_index_pools_ready():
+    plane = LatentPlane(latent=np.zeros((16, 4), F32), length=9, pools_ready=3)
+    with pytest.raises(ResidencyError, match="index_pools_ready"):
+        plane.check_residency(4, "layer 1")
+    plane.pools_ready = 9 // 4
+    plane.check_residency(4, "layer 1")  # the clamped value passes
+    assert plane.pools_ready == 2
+
+
+@pytest.fixture(scope="module")
+def mini_model():
+    return Glm5Model(MINI, random_weights(expected_tensors(MINI), seed=21), NumpyBackend())
+
+
+def rolled_back_cache(model, tokens, keep, unclamped_layer=None):
+    """Prime all tokens in one call, then roll every plane back to `keep` rows (KDA state from a
+    cache that primed only `keep`); pools_ready is clamped except on `unclamped_layer`."""
+    cache = model.new_cache(32)
+    model.prime(tokens, cache)
+    short = model.new_cache(32)
+    model.prime(tokens[:keep], short)
+    cache.pos = keep
+    for i, st in short.kda.items():
+        cache.kda[i].ring[...], cache.kda[i].state[...] = st.ring, st.state
+    for i, plane in cache.mla.items():
+        assert plane.pools_ready == len(tokens) // MINI.index_kpool
+        plane.length = keep
+        if i != unclamped_layer:
+            plane.pools_ready = min(plane.pools_ready, keep // MINI.index_kpool)
+    return cache, short
+
+
+PROMPT = [3, 14, 15, 9, 26, 5, 31, 5, 8, 9, 7, 9, 3]
+
+
+def test_decode_after_rollback_without_pool_clamp_raises_residency_error(mini_model):
+    last_dsa = MINI.dsa_layers[-1]
+    cache, _ = rolled_back_cache(mini_model, PROMPT, keep=9, unclamped_layer=last_dsa)
+    with pytest.raises(ResidencyError, match=rf"layer {last_dsa}: index_pools_ready=3"):
+        mini_model.decode_step(PROMPT[9], cache)
+
+
+def test_decode_after_rollback_with_pool_clamp_equals_plain_decode(mini_model):
+    cache, plain = rolled_back_cache(mini_model, PROMPT, keep=9)
+    assert all(p.pools_ready == 2 for p in cache.mla.values())
+    # new tokens past the rollback (rejected drafts replaced): pool 2 closes again at position
+    # 11 and must be recomputed from the new rows, not the stale key of the rolled-back ones
+    for tok in (7, 1, 2, 4):
+        assert np.array_equal(mini_model.decode_step(tok, cache), mini_model.decode_step(tok, plain))
+    for i, plane in cache.mla.items():
+        assert plane.pools_ready == 3 and np.array_equal(plane.pool_keys[:3], plain.mla[i].pool_keys[:3])
+
+
+def cache_snapshot(cache):
+    kda = {i: (st.ring.copy(), st.state.copy()) for i, st in cache.kda.items()}
+    mla = {i: (p.length, p.pools_ready, p.latent.copy()) for i, p in cache.mla.items()}
+    return cache.pos, kda, mla
+
+
+def test_residency_refusal_leaves_the_cache_as_it_was(mini_model):
+    cache, _ = rolled_back_cache(mini_model, PROMPT, keep=9, unclamped_layer=MINI.dsa_layers[-1])
+    pos, kda, mla = cache_snapshot(cache)
+    with pytest.raises(ResidencyError):
+        mini_model.decode_step(PROMPT[9], cache)
+    pos2, kda2, mla2 = cache_snapshot(cache)
+    assert pos2 == pos
+    assert all(np.array_equal(a, b) for i in kda for a, b in zip(kda[i], kda2[i]))
+    assert all(mla[i][:2] == mla2[i][:2] for i in mla)

@@ -427,4 +427,4 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 
-from memra.presets import preset  # noqa: E402  (re-exported: config.preset is public API)
+from memra.presets import preset  # noqa: E402, F401  (re-exported: config.preset is public API)

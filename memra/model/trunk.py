@@ -99,15 +99,15 @@ class Glm5Model:
         streams = hyper.expand(be.embed(self.embed_table, tokens), cfg.hc_mult)
         selections: dict[int, object] = {}
         for layer in self.layers:
-            streams = layer.attn_site(
-                streams, lambda y: self._mix(layer, be.rmsnorm(y, layer.in_norm, cfg.rms_norm_eps), cache, pos0, selections)
-            )
-            streams = layer.ffn_site(
-                streams, lambda y: layer.ffn(be.rmsnorm(y, layer.post_norm, cfg.rms_norm_eps))
-            )
+            mix = lambda y: self._mix(layer, self._norm(y, layer.in_norm), cache, pos0, selections)
+            streams = layer.attn_site(streams, mix)
+            streams = layer.ffn_site(streams, lambda y: layer.ffn(self._norm(y, layer.post_norm)))
         collapsed = be.stream_mean(streams)
-        logits = be.linear(be.rmsnorm(collapsed, self.final_norm, cfg.rms_norm_eps), self.lm_head)
+        logits = be.linear(self._norm(collapsed, self.final_norm), self.lm_head)
         return logits, collapsed
+
+    def _norm(self, x, w):
+        return self.be.rmsnorm(x, w, self.cfg.rms_norm_eps)
 
     def _mix(self, layer: TrunkLayer, x, cache: Cache, pos0: int, selections: dict):
         if layer.kind == KDA:

@@ -21,7 +21,9 @@ from memra.model.kda import KdaMixer
 from memra.model.mla import MlaMixer
 from memra.model.trunk import Glm5Model
 
-from .naive import *  # noqa: F403
+from .naive import (  # noqa: E402
+    F32, MINI, SMALL, assert_close, f64, random_weights, rmsnorm, rows, sigmoid, silu, softmax, softplus, top_lowest_index,
+)
 
 
 # ---- KDA --------------------------------------------------------------------------------------

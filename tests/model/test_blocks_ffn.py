@@ -17,7 +17,9 @@ from memra.checkpoint import expected_tensors
 from memra.model.hyper import HcSite
 from memra.model.moe import DenseMlp, Moe
 
-from .naive import *  # noqa: F403
+from .naive import (  # noqa: E402
+    F32, MINI, RTOL, SINKHORN_TOL, SMALL, assert_close, f64, random_weights, rows, sigmoid, silu, softmax, top_lowest_index,
+)
 
 
 # ---- mHC --------------------------------------------------------------------------------------

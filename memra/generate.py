@@ -1,10 +1,25 @@
-"""Plain greedy generation: the reference every speculative tape must equal byte for byte."""
+"""Generation: plain greedy decoding (the reference tape) and speculative greedy decoding.
+
+    result = generate(model, prompt_ids, 64, draft="native-mtp", num_draft_tokens=4)
+    result.tokens, result.stats["mean_acceptance_length"]
+
+With any draft source the tokens equal the plain greedy tokens byte for byte.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from memra.errors import InputError
+from memra.spec.metrics import SpecMetrics
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]
+    stats: dict = field(default_factory=dict)
 
 
 def greedy(model, prompt_ids, max_new_tokens: int, eos_ids=(), max_ctx: int | None = None) -> list[int]:
@@ -12,16 +27,57 @@ def greedy(model, prompt_ids, max_new_tokens: int, eos_ids=(), max_ctx: int | No
 
     Stops after max_new_tokens or at the first token in eos_ids (which is kept).
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise InputError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    _check_count(max_new_tokens)
     prompt = list(prompt_ids)
+    out: list[int] = []
+    if max_new_tokens == 0:
+        return out
     cache = model.new_cache(max_ctx or len(prompt) + max_new_tokens)
     logits = model.prime(prompt, cache)
-    out: list[int] = []
-    while len(out) < max_new_tokens:
+    while True:
         token = int(np.argmax(logits))
         out.append(token)
         if token in eos_ids or len(out) == max_new_tokens:
-            break
+            return out
         logits = model.decode_step(token, cache)
-    return out
+
+
+def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, num_draft_tokens: int = 4,
+             draft_options: dict | None = None, sampling=None, eos=(), p_min: float = 0.0,
+             pmin0: bool = False) -> GenerateResult:
+    """Greedy generation, plain (draft=None) or speculative through a named draft source."""
+    from memra.drafters.registry import load_drafter
+    from memra.spec.session import SpecSession
+
+    _check_count(max_new_tokens)
+    if sampling is not None:
+        raise InputError("sampled generation is not available yet: pass sampling=None for greedy decoding")
+    eos = tuple(int(e) for e in eos)
+    if draft is None:
+        return GenerateResult(greedy(model, prompt_ids, max_new_tokens, eos), SpecMetrics().as_dict())
+    drafter = load_drafter(draft, model, draft_options)
+    prompt = [int(t) for t in prompt_ids]
+    out: list[int] = []
+    if max_new_tokens == 0:
+        return GenerateResult(out, SpecMetrics().as_dict())
+    max_ctx = len(prompt) + max_new_tokens + num_draft_tokens + 8
+    session = SpecSession(model, prompt, drafter, max_ctx, p_min=p_min, pmin0=pmin0)
+    while len(out) < max_new_tokens and not session.done:
+        tokens, _, _ = session.burst(max_new_tokens - len(out), num_draft_tokens, eos)
+        if not tokens:
+            break
+        out.extend(tokens)
+    return GenerateResult(_clip(out, max_new_tokens, eos), session.metrics.as_dict())
+
+
+def _clip(tokens: list[int], limit: int, eos) -> list[int]:
+    tokens = tokens[:limit]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i + 1]
+    return tokens
+
+
+def _check_count(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise InputError(f"max_new_tokens must be a non-negative integer, got {n!r}")

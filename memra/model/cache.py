@@ -40,6 +40,13 @@ class LatentPlane:
                 f"position {pos0}; the plane and the cache position disagree (a missed rollback?)"
             )
 
+    def truncate(self, length: int, pool: int) -> None:
+        """Shorten the plane to `length` rows; pool keys past floor(length / P) become stale,
+        so `pools_ready` is clamped with it (rows are rewritten by position, nothing else)."""
+        self.length = length
+        if self.pool_keys is not None:
+            self.pools_ready = min(self.pools_ready, length // pool)
+
     def check_residency(self, pool: int, name: str) -> None:
         """The tripwire: finalized pool keys must not run past what `length` justifies."""
         if self.pools_ready > self.length // pool:
@@ -49,6 +56,19 @@ class LatentPlane:
                 "pool keys past the plane are stale — a rollback must clamp index_pools_ready "
                 "to floor(len / index_kpool)"
             )
+
+
+@dataclass
+class VerifyCkpt:
+    """What `rollback` needs to undo a verify walk down to its first `keep` rows."""
+
+    cache: "Cache"
+    pos: int                       # cache.pos before the walk
+    rows: int                      # t, the walk's row count
+    latent_len: dict[int, int]     # each DSA plane's length before the walk
+    kda: dict[int, dict]           # per KDA layer: ring/state snapshots + the rows' inputs
+    taps: dict[int, object] = field(default_factory=dict)  # layer -> contracted rows [t, D]
+    spent: bool = False
 
 
 @dataclass

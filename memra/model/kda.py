@@ -31,21 +31,39 @@ class KdaMixer:
         self.o_norm = be.weight(w("o_norm.weight"))
         self.o_proj = be.matrix(w("o_proj.weight"))
 
+    def restore(self, st: KdaState, stash: dict, keep: int) -> None:
+        """Put the layer back at `keep` rows past the stash: the ring re-rolled over the kept
+        raw rows, S rebuilt by replaying the kept rows' scans from the snapshot (the same
+        per-row program, so bit-identical to never having run the rest)."""
+        be = self.be
+        window = be.concat([stash["ring"], stash["raw"][:keep]], axis=0)
+        st.ring[...] = window[window.shape[0] - st.ring.shape[0]:]
+        st.state[...] = stash["state"]
+        q, k, v, g, beta = stash["scan"]
+        be.kda_recurrence(q[:keep], k[:keep], v[:keep], g[:keep], beta[:keep], st.state)
+
     def new_state(self) -> KdaState:
         cfg, be = self.cfg, self.be
         ring = be.zeros((cfg.linear_conv_kernel_dim - 1, 3 * cfg.linear_dim))
         return KdaState(ring=ring, state=be.zeros((self.heads, self.dk, self.dk)))
 
-    def __call__(self, x, st: KdaState):
+    def __call__(self, x, st: KdaState, stash: dict | None = None):
+        """Rows x [t, D] -> [t, D], advancing the conv ring and S in place. With `stash`, keep
+        what a rollback needs: the pre-call ring and state and each row's scan inputs."""
         be, t, hk, dk = self.be, x.shape[0], self.heads, self.dk
         c = hk * dk
-        mixed = be.short_conv(be.linear(x, self.qkv), st.ring, self.conv)
+        raw = be.linear(x, self.qkv)
+        if stash is not None:
+            stash.update(ring=st.ring.copy(), state=st.state.copy(), raw=raw)
+        mixed = be.short_conv(raw, st.ring, self.conv)
         q = be.l2norm(mixed[:, :c].reshape(t, hk, dk), 1e-6) * np.float32(dk ** -0.5)
         k = be.l2norm(mixed[:, c:2 * c].reshape(t, hk, dk), 1e-6)
         v = mixed[:, 2 * c:].reshape(t, hk, dk)
         f = be.linear(be.linear(x, self.f_a), self.f_b).reshape(t, hk, dk)
         g = be.kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound)
         beta = be.sigmoid(be.linear(x, self.b_proj))
+        if stash is not None:
+            stash.update(scan=(q, k, v, g, beta))
         o = be.kda_recurrence(q, k, v, g, beta, st.state)
         gate = be.linear(be.linear(x, self.g_a), self.g_b).reshape(t, hk, dk)
         o = be.gated_rmsnorm(o, gate, self.o_norm, self.cfg.rms_norm_eps)

@@ -29,13 +29,23 @@ class MtpBlock:
     def new_plane(self, max_ctx: int):
         return self.attn.new_plane(max_ctx)
 
-    def __call__(self, next_tokens, h, plane, pos0: int):
-        """Rows (tok_{i+1}, h_i) at positions pos0.. -> (logits [t, V], carrier [t, D])."""
+    def __call__(self, next_tokens, h, plane, pos0: int, head=None):
+        """Rows (tok_{i+1}, h_i) at positions pos0.. -> (logits [t, V], carrier [t, D]).
+        `head` replaces the trunk lm head (an FR-Spec trim projects through fewer rows)."""
+        be, eps = self.be, self.cfg.rms_norm_eps
+        z, a = self._attend(next_tokens, h, plane, pos0)
+        z = z + a
+        z = z + self.mlp(be.rmsnorm(z, self.post_norm, eps))
+        logits = be.linear(be.rmsnorm(z, self.head_norm, eps), self.lm_head if head is None else head)
+        return logits, z
+
+    def warm(self, next_tokens, h, plane, pos0: int) -> None:
+        """Fill the plane's rows for these pairs; the rest of the block only feeds logits."""
+        self._attend(next_tokens, h, plane, pos0)
+
+    def _attend(self, next_tokens, h, plane, pos0: int):
         be, eps = self.be, self.cfg.rms_norm_eps
         e = be.rmsnorm(be.embed(self.embed, next_tokens), self.enorm, eps)
         z = be.linear(be.concat([e, be.rmsnorm(h, self.hnorm, eps)], axis=-1), self.eh_proj)
         a, _ = self.attn(be.rmsnorm(z, self.in_norm, eps), plane, pos0, None, self.name)
-        z = z + a
-        z = z + self.mlp(be.rmsnorm(z, self.post_norm, eps))
-        logits = be.linear(be.rmsnorm(z, self.head_norm, eps), self.lm_head)
-        return logits, z
+        return z, a

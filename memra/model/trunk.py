@@ -15,8 +15,10 @@ import numpy as np
 
 from memra.config import KDA, ModelConfig
 from memra.errors import ContextOverflowError, InputError
+
+VERIFY_CAP = 15  # verify rows per walk: K + 1 <= 15, the decode-exact design constant
 from memra.model import hyper
-from memra.model.cache import Cache
+from memra.model.cache import Cache, VerifyCkpt
 from memra.model.kda import KdaMixer
 from memra.model.mla import MlaMixer
 from memra.model.moe import DenseMlp, Moe
@@ -75,10 +77,16 @@ class Glm5Model:
     # ---- public steps ------------------------------------------------------------------------
     def prime(self, token_ids, cache: Cache) -> np.ndarray:
         """Prefill the prompt; returns float32 logits [vocab] after its last token."""
+        return self.prime_rows(token_ids, cache)[0]
+
+    def prime_rows(self, token_ids, cache: Cache, tap_layers=()):
+        """prime, also returning the collapsed pre-final-norm rows [t, D] (the MTP h_seeds)
+        and the contracted outputs of `tap_layers` ({layer: [t, D]})."""
         tokens = self._check_tokens(token_ids, cache)
-        logits, _ = self.forward_rows(tokens, cache)
+        taps = {layer: None for layer in self._check_taps(tap_layers)}
+        logits, collapsed = self.forward_rows(tokens, cache, taps=taps)
         cache.pos += len(tokens)
-        return self.be.to_host(logits[-1])
+        return self.be.to_host(logits[-1]), collapsed, taps
 
     def decode_step(self, token_id, cache: Cache) -> np.ndarray:
         """Consume one token; returns float32 logits [vocab] for the next position."""
@@ -87,21 +95,75 @@ class Glm5Model:
         cache.pos += 1
         return self.be.to_host(logits[0])
 
+    def verify_rows(self, token_ids, cache: Cache, tap_layers=()):
+        """Score t <= 15 rows (row 0: the last committed token; then the drafts) in ONE walk
+        at positions cache.pos.. -> (logits [t, V] host, collapsed [t, D], ckpt).
+
+        Row r is bit-identical to the plain decode step that consumes token r there. Every
+        plane advances t rows; cache.pos does not move: `rollback(cache, ckpt, keep)` commits.
+        """
+        tokens = self._check_tokens(token_ids, cache)
+        if tokens.size > VERIFY_CAP:
+            raise InputError(
+                f"verify_rows: t={tokens.size} rows > cap {VERIFY_CAP}: at most {VERIFY_CAP - 1} "
+                "drafts per round (K + 1 rows must stay inside the decode-exact class)"
+            )
+        ckpt = VerifyCkpt(
+            cache=cache, pos=cache.pos, rows=int(tokens.size),
+            latent_len={i: plane.length for i, plane in cache.mla.items()},
+            kda={i: {} for i in cache.kda},
+            taps={layer: None for layer in self._check_taps(tap_layers)},
+        )
+        logits, collapsed = self.forward_rows(tokens, cache, stash=ckpt.kda, taps=ckpt.taps)
+        return self.be.to_host(logits), collapsed, ckpt
+
+    def rollback(self, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
+        """Commit the first `keep` rows of a verify walk (1 <= keep <= t) and undo the rest:
+        latent planes truncate (pool keys clamped), KDA rings and states replay the kept
+        rows from their snapshots, cache.pos = snapshot + keep."""
+        if not isinstance(ckpt, VerifyCkpt) or ckpt.cache is not cache:
+            raise InputError("rollback: this checkpoint was not taken on this cache by verify_rows")
+        if ckpt.spent or cache.pos != ckpt.pos:
+            raise InputError(
+                f"rollback: the checkpoint is stale (taken at position {ckpt.pos}, the cache is at "
+                f"{cache.pos}{', already rolled back' if ckpt.spent else ''}); roll back once, "
+                "right after its verify_rows"
+            )
+        if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or not 1 <= keep <= ckpt.rows:
+            raise InputError(
+                f"rollback: keep={keep!r} outside 1..={ckpt.rows} (the anchor row is always kept; "
+                "keep = accepted drafts + 1)"
+            )
+        keep = int(keep)
+        for layer in self.layers:
+            if layer.kind == KDA:
+                if keep < ckpt.rows:
+                    layer.mixer.restore(cache.kda[layer.index], ckpt.kda[layer.index], keep)
+            else:
+                plane = cache.mla[layer.index]
+                plane.truncate(ckpt.latent_len[layer.index] + keep, self.cfg.index_kpool)
+        cache.pos = ckpt.pos + keep
+        ckpt.spent = True
+
     # ---- the walk ----------------------------------------------------------------------------
-    def forward_rows(self, tokens: np.ndarray, cache: Cache):
+    def forward_rows(self, tokens: np.ndarray, cache: Cache, stash: dict | None = None, taps: dict | None = None):
         """One walk over t rows at positions cache.pos.. -> (logits [t, V], collapsed [t, D]).
 
         Writes every state plane for the t rows; does not move cache.pos (the caller commits).
+        `stash` (layer -> dict) collects the KDA rollback material; `taps` (layer -> None) is
+        filled with each named layer's contracted output rows.
         """
-        be, cfg = self.be, self.cfg
+        be = self.be
         cache.check_planes()
         pos0 = cache.pos
-        streams = hyper.expand(be.embed(self.embed_table, tokens), cfg.hc_mult)
+        streams = hyper.expand(be.embed(self.embed_table, tokens), self.cfg.hc_mult)
         selections: dict[int, object] = {}
         for layer in self.layers:
-            mix = lambda y: self._mix(layer, self._norm(y, layer.in_norm), cache, pos0, selections)
+            mix = lambda y: self._mix(layer, self._norm(y, layer.in_norm), cache, pos0, selections, stash)
             streams = layer.attn_site(streams, mix)
             streams = layer.ffn_site(streams, lambda y: layer.ffn(self._norm(y, layer.post_norm)))
+            if taps is not None and layer.index in taps:
+                taps[layer.index] = be.stream_mean(streams)
         collapsed = be.stream_mean(streams)
         logits = be.linear(self._norm(collapsed, self.final_norm), self.lm_head)
         return logits, collapsed
@@ -109,12 +171,22 @@ class Glm5Model:
     def _norm(self, x, w):
         return self.be.rmsnorm(x, w, self.cfg.rms_norm_eps)
 
-    def _mix(self, layer: TrunkLayer, x, cache: Cache, pos0: int, selections: dict):
+    def _mix(self, layer: TrunkLayer, x, cache: Cache, pos0: int, selections: dict, stash):
         if layer.kind == KDA:
-            return layer.mixer(x, cache.kda[layer.index])
+            return layer.mixer(x, cache.kda[layer.index], None if stash is None else stash[layer.index])
         shared = selections.get(layer.selection_from)
         out, selections[layer.index] = layer.mixer(x, cache.mla[layer.index], pos0, shared, layer.name)
         return out
+
+    def _check_taps(self, tap_layers) -> list[int]:
+        layers = [int(i) for i in tap_layers]
+        for i in layers:
+            if not 0 <= i < self.cfg.num_hidden_layers:
+                raise InputError(
+                    f"tap layer {i} is outside the trunk 0..{self.cfg.num_hidden_layers - 1}; "
+                    "the drafter was made for another model"
+                )
+        return layers
 
     def _check_tokens(self, token_ids, cache: Cache) -> np.ndarray:
         if not isinstance(cache, Cache) or cache.config != self.cfg:

@@ -1,0 +1,69 @@
+"""The draft-source interface: what the source-blind spec core talks to.
+
+A *source* is loaded once per model (`load(model, options)` -> drafter); a drafter opens one
+*state* per session (`begin(start)`); each round the core asks the state for a `Proposal`
+(`propose(k, sampling)`) and afterwards tells it what was committed (`commit(outcome)`).
+The core never looks inside: a source can only change how fast tokens come, never which.
+
+    class EchoSource:                       # drafts the last committed token again
+        name, max_k = "echo", 14
+        def load(self, model, options): return self
+        def begin(self, start): return EchoState(start.anchor)
+
+    class EchoState:
+        def __init__(self, last): self.last = last
+        def propose(self, k, sampling): return Proposal(tokens=[self.last] * k)
+        def commit(self, outcome): self.last = outcome.bonus
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class Proposal:
+    """One round's drafts, in true-vocab ids (len <= k)."""
+
+    tokens: list[int]
+    q: object = None                         # the draft distribution (sampled accept); None = point mass
+    confidences: list[float] | None = None   # per-slot confidence in the pick (the p_min gate)
+
+
+@dataclass
+class SessionStart:
+    """What a source sees when a session opens (after the prompt is primed)."""
+
+    model: object
+    prompt: list[int]
+    anchor: int                 # the first generated token: next round's verify row 0
+    collapsed: object           # trunk collapsed pre-final-norm rows of the prompt [plen, D]
+    taps: dict                  # layer -> contracted rows of the prompt, for the asked tap layers
+    max_ctx: int
+
+
+@dataclass
+class RoundOutcome:
+    """What one round committed, for source maintenance."""
+
+    kept: list[int]             # trunk rows kept: [anchor, accepted drafts...] (keep = len)
+    bonus: int                  # the target's token after them: the next anchor
+    drafted: list[int]          # what was verified (after any truncation)
+    collapsed: object           # collapsed rows of the kept verify rows [keep, D]
+    taps: dict = field(default_factory=dict)  # layer -> rows of the kept verify rows
+
+
+class DraftState(Protocol):
+    def propose(self, k: int, sampling) -> Proposal: ...
+
+    def commit(self, outcome: RoundOutcome) -> None: ...
+
+
+class Drafter(Protocol):
+    """A source loaded for one model."""
+
+    max_k: int                       # the most drafts per round this source can make
+    tap_layers: tuple[int, ...]      # trunk layers whose contracted rows it needs
+
+    def begin(self, start: SessionStart) -> DraftState: ...

@@ -1,0 +1,107 @@
+"""The native MTP draft source: the checkpoint's own NextN block chains K drafts.
+
+The block keeps its own latent plane, owned by the draft state (other sources pay nothing
+for it). At session start it warms the plane over the prompt in one batched pass of
+(prompt[i+1], h_i) pairs; `pending` holds committed (token, h_seed) pairs not yet fed, where
+h_seed is the trunk's collapsed pre-final-norm row. Each round feeds them (the last row's
+logits are draft 1), chains K-1 more steps on the block's own carrier, and after the verify
+resets the plane to the committed boundary and queues the round's kept pairs.
+
+Options: `d2t` — an FR-Spec trim: the draft head projects through the lm-head rows of
+those token ids only, drafting rank ids that map back through d2t before anything else
+sees them (the verify stays full-vocab).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memra.drafters.base import Proposal, RoundOutcome, SessionStart
+from memra.errors import InputError
+
+
+class NativeMtpSource:
+    name = "native-mtp"
+
+    def load(self, model, options: dict | None = None) -> "NativeMtpDrafter":
+        options = dict(options or {})
+        d2t = options.pop("d2t", None)
+        if options:
+            raise InputError(f"native-mtp: unknown options {sorted(options)}; it takes only 'd2t'")
+        if model.mtp is None:
+            raise InputError(
+                "native-mtp needs the checkpoint's NextN/MTP block (num_nextn_predict_layers >= 1), "
+                "and this model has none: choose another draft source"
+            )
+        return NativeMtpDrafter(model, d2t)
+
+
+class NativeMtpDrafter:
+    max_k = 14
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, model, d2t=None):
+        self.model = model
+        self.d2t = None
+        self.head = model.mtp.lm_head
+        if d2t is not None:
+            ids = np.asarray(d2t)
+            vocab = model.cfg.vocab_size
+            if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+                raise InputError("native-mtp: d2t must be a non-empty list of token ids")
+            if ids.min() < 0 or ids.max() >= vocab:
+                raise InputError(
+                    f"native-mtp: d2t holds token id {int(ids.max() if ids.max() >= vocab else ids.min())} "
+                    f"outside the vocab 0..{vocab - 1}: the trim was made for another vocabulary"
+                )
+            self.d2t = ids.astype(np.int64)
+            be = model.be
+            self.head = be.matrix(np.asarray(be.to_host(self.head))[self.d2t])
+        # test-only instrument: use the rank id as the token id (the skipped-remap defect)
+        self.skip_d2t_remap = False
+
+    def begin(self, start: SessionStart) -> "NativeMtpState":
+        return NativeMtpState(self, start)
+
+
+class NativeMtpState:
+    def __init__(self, drafter: NativeMtpDrafter, start: SessionStart):
+        self.drafter = drafter
+        mtp = drafter.model.mtp
+        self.plane = mtp.new_plane(start.max_ctx)
+        prompt = np.asarray(start.prompt, dtype=np.int64)
+        # warm: pairs (prompt[i+1], h_i) at plane positions 0..plen-2; only the plane matters
+        mtp.warm(prompt[1:], start.collapsed[:-1], self.plane, 0)
+        self.pending_tokens = [int(start.anchor)]
+        self.pending_h = [start.collapsed[-1:]]
+        self.committed_len = self.plane.length
+
+    def _step(self, tokens, h):
+        d = self.drafter
+        mtp, be = d.model.mtp, d.model.be
+        logits, carrier = mtp(np.asarray(tokens, dtype=np.int64), h, self.plane, self.plane.length, d.head)
+        return be.to_host(logits[-1]), carrier[-1:]
+
+    def propose(self, k: int, sampling=None) -> Proposal:
+        d, be = self.drafter, self.drafter.model.be
+        h = be.concat(self.pending_h, axis=0)
+        logits, carrier = self._step(self.pending_tokens, h)
+        self.pending_tokens, self.pending_h = [], []
+        self.committed_len = self.plane.length
+        tokens, confidences = [], []
+        for ki in range(k):
+            rank = int(np.argmax(logits))
+            z = np.exp(logits - logits.max())
+            confidences.append(float(z[rank] / z.sum()))
+            tok = rank if d.d2t is None or d.skip_d2t_remap else int(d.d2t[rank])
+            tokens.append(tok)
+            if ki + 1 < k:
+                logits, carrier = self._step([tok], carrier)
+        return Proposal(tokens=tokens, confidences=confidences)
+
+    def commit(self, outcome: RoundOutcome) -> None:
+        """Drop the chain rows; queue (next token, h) pairs for every kept verify row."""
+        self.plane.truncate(self.committed_len, self.drafter.model.cfg.index_kpool)
+        nxt = outcome.kept[1:] + [outcome.bonus]
+        self.pending_tokens = [int(t) for t in nxt]
+        self.pending_h = [outcome.collapsed]

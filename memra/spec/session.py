@@ -1,0 +1,130 @@
+"""The source-blind speculative session: draft -> verify -> accept -> rollback -> commit.
+
+    session = SpecSession(model, prompt_ids, drafter, max_ctx)
+    tokens, drafted, accepted = session.burst(target=32, k=4, eos=(eos_id,))
+
+Invariant at every round boundary: `cache.pos == len(committed)`, plus one emitted but not
+yet committed token, the anchor (the next round's verify row 0). A round commits j accepted
+drafts and emits the target's bonus token, so greedy output is the plain greedy tape for any
+draft source, any K and any acceptance pattern.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from memra.drafters.base import RoundOutcome, SessionStart
+from memra.errors import InputError
+from memra.model.trunk import VERIFY_CAP
+from memra.spec.accept import conf_keep, greedy_accept
+from memra.spec.metrics import SpecMetrics
+
+MAX_K = VERIFY_CAP - 1
+
+
+@dataclass
+class GateInstruments:
+    """Test-only knobs for the exactness batteries; no serving path sets them."""
+
+    draft_override: object = None      # (round, slot, draft) -> draft: forced accepts / rejections
+    disable_rollback: bool = False     # red arm: move pos, leave every plane at post-row-K
+    pmin_override: tuple | None = None  # (p_min, pmin0) for this session
+
+
+class SpecSession:
+    def __init__(self, model, prompt_ids, drafter, max_ctx: int, p_min: float = 0.0, pmin0: bool = False,
+                 instruments: GateInstruments | None = None):
+        prompt = [int(t) for t in prompt_ids] if not isinstance(prompt_ids, np.ndarray) else prompt_ids.tolist()
+        if len(prompt) < 2:
+            raise InputError("speculative decoding needs a prompt of >= 2 tokens (the draft warms on "
+                             "(token[i+1], hidden[i]) pairs)")
+        if len(prompt) + 4 > max_ctx:
+            raise InputError(f"max_ctx {max_ctx} leaves no room for the prompt ({len(prompt)}) plus one "
+                             "verify round; raise max_ctx")
+        self.model, self.drafter = model, drafter
+        self.instruments = instruments or GateInstruments()
+        self.p_min, self.pmin0 = self.instruments.pmin_override or (p_min, pmin0)
+        self.cache = model.new_cache(max_ctx)
+        logits, collapsed, taps = model.prime_rows(prompt, self.cache, drafter.tap_layers)
+        self.committed = list(prompt)
+        self.anchor = int(np.argmax(logits))
+        self.anchor_emitted = False
+        self.done = False
+        self.metrics = SpecMetrics()
+        self.state = drafter.begin(SessionStart(model, prompt, self.anchor, collapsed, taps, max_ctx))
+
+    # ---- bursts ----------------------------------------------------------------------------
+    def burst(self, target: int, k: int, eos=()) -> tuple[list[int], int, int]:
+        """Rounds until `target` new tokens are out, EOS, or the context guard; returns
+        (tokens, drafted, accepted). May overshoot target by up to k (the caller clamps)."""
+        bound = min(MAX_K, getattr(self.drafter, "max_k", MAX_K))
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= bound:
+            raise InputError(f"k={k!r} drafts per round is outside 1..={bound} (verify rows = k + 1 "
+                             f"must stay <= {VERIFY_CAP}, and this draft source makes at most {bound})")
+        out: list[int] = []
+        drafted = accepted = 0
+        if not self.anchor_emitted:
+            out.append(self.anchor)
+            self.anchor_emitted = True
+            self.done = self.anchor in eos
+        while len(out) < target and not self.done:
+            if self.cache.pos + k + 2 > self.cache.max_ctx:
+                self.done = True
+                break
+            tokens, n_drafted = self._round(k)
+            drafted += n_drafted
+            accepted += len(tokens) - 1
+            out.extend(tokens)
+            self.done = any(t in eos for t in tokens)
+        return out, drafted, accepted
+
+    def demote(self) -> tuple[object, int]:
+        """Hand the session over to plain decoding: one plain step commits the anchor; returns
+        (cache, next_token). One-way: the draft state is dropped."""
+        if self.cache.pos + 1 > self.cache.max_ctx:
+            raise InputError(f"demote: no room to commit the anchor (pos {self.cache.pos} + 1 > "
+                             f"max_ctx {self.cache.max_ctx})")
+        logits = self.model.decode_step(self.anchor, self.cache)
+        self.committed.append(self.anchor)
+        self.state = None
+        self.done = True
+        return self.cache, int(np.argmax(logits))
+
+    # ---- one round ---------------------------------------------------------------------------
+    def _round(self, k: int) -> tuple[list[int], int]:
+        model, m, inst = self.model, self.metrics, self.instruments
+        with m.phase("draft"):
+            drafts = self._drafts(k)
+        rows = [self.anchor] + drafts
+        with m.phase("verify"):
+            logits, collapsed, ckpt = model.verify_rows(rows, self.cache, self.drafter.tap_layers)
+        with m.phase("accept"):
+            j, bonus = greedy_accept(drafts, model.be.argmax(logits).tolist())
+        keep = j + 1
+        with m.phase("roll"):
+            if inst.disable_rollback:
+                self.cache.pos = ckpt.pos + keep
+            else:
+                model.rollback(self.cache, ckpt, keep)
+        with m.phase("maint"):
+            taps = {layer: rows_[:keep] for layer, rows_ in ckpt.taps.items()}
+            self.state.commit(RoundOutcome(rows[:keep], bonus, drafts, collapsed[:keep], taps))
+        self.committed.extend(rows[:keep])
+        self.anchor = bonus
+        m.record(len(drafts), j)
+        return drafts[:j] + [bonus], len(drafts)
+
+    def _drafts(self, k: int) -> list[int]:
+        prop = self.state.propose(k, None)
+        drafts = [int(t) for t in prop.tokens][:k]
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in drafts if not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"the draft source proposed token {bad[0]} outside the vocab 0..{vocab - 1}")
+        if prop.confidences is not None and self.p_min > 0:
+            drafts = drafts[:conf_keep(prop.confidences[:len(drafts)], self.p_min, self.pmin0)]
+        if self.instruments.draft_override is not None:
+            drafts = [int(self.instruments.draft_override(self.metrics.rounds, i, d)) for i, d in enumerate(drafts)]
+        return drafts

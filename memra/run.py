@@ -2,6 +2,7 @@
 
     python -m memra.run                                  # demo: the `small` preset fixture
     python -m memra.run --model DIR --prompt-ids 1,2,3 --max-new-tokens 32 --backend cuda
+    python -m memra.run --draft native-mtp --num-draft-tokens 4   # speculative, same tokens
 
 Token ids in, token ids out (plus the UTF-8 text when the vocab is byte-level, i.e. 256).
 Every refusal prints its message and exits with status 2, never a traceback.
@@ -29,6 +30,8 @@ def _parse_args(argv):
     ap.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     ap.add_argument("--prompt", help="prompt text, as UTF-8 bytes (byte-level vocabs only)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--draft", help="speculative draft source (native-mtp); default: plain greedy")
+    ap.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, K (1..14)")
     return ap.parse_args(argv)
 
 
@@ -62,19 +65,23 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     try:
         from memra import load_model
-        from memra.generate import greedy
+        from memra.generate import generate
 
         path = args.model or _demo_dir(args.demo_dir, args.demo_preset)
         model = load_model(path, backend=args.backend)
         prompt = _prompt(args, model.cfg.vocab_size)
         t0 = time.perf_counter()
-        tokens = greedy(model, prompt, args.max_new_tokens, eos_ids=model.cfg.eos_token_id)
+        result = generate(model, prompt, args.max_new_tokens, draft=args.draft,
+                          num_draft_tokens=args.num_draft_tokens, eos=model.cfg.eos_token_id)
         seconds = time.perf_counter() - t0
     except MemraError as exc:
         print(f"memra: {exc}", file=sys.stderr)
         return 2
-    record = {"model": path, "backend": model.be.name, "prompt_ids": prompt, "tokens": tokens,
-              "tokens_per_s": round(len(tokens) / seconds, 2) if seconds > 0 else None}
+    tokens = result.tokens
+    record = {"model": path, "backend": model.be.name, "draft": args.draft, "prompt_ids": prompt,
+              "tokens": tokens, "tokens_per_s": round(len(tokens) / seconds, 2) if seconds > 0 else None}
+    if args.draft:
+        record["stats"] = result.stats
     if model.cfg.vocab_size == 256:
         record["text"] = bytes(tokens).decode("utf-8", errors="replace")
     print(json.dumps(record))

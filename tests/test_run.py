@@ -42,3 +42,21 @@ def test_refusal_prints_message_and_exits_2(tmp_path):
 def test_missing_model_dir_is_a_clear_error(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nope"), "--backend", "numpy"]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_speculative_cli_prints_the_plain_tokens_and_stats(tmp_path, capsys):
+    args = ["--demo-dir", str(tmp_path), "--max-new-tokens", "8", "--backend", "numpy"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(args + ["--draft", "native-mtp", "--num-draft-tokens", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["stats"]["num_draft_tokens"] > 0 and "mean_acceptance_length" in spec["stats"]
+
+
+def test_unknown_draft_source_and_bad_k_are_clear_errors(tmp_path, capsys):
+    base = ["--demo-dir", str(tmp_path), "--backend", "numpy", "--max-new-tokens", "4"]
+    assert main(base + ["--draft", "nope"]) == 2
+    assert "unknown draft source" in capsys.readouterr().err
+    assert main(base + ["--draft", "native-mtp", "--num-draft-tokens", "15"]) == 2
+    assert "outside 1..=14" in capsys.readouterr().err

@@ -101,7 +101,7 @@ class SpecSession:
         with m.phase("verify"):
             logits, collapsed, ckpt = model.verify_rows(rows, self.cache, self.drafter.tap_layers)
         with m.phase("accept"):
-            j, bonus = greedy_accept(drafts, model.be.argmax(logits).tolist())
+            j, bonus = greedy_accept(drafts, np.argmax(logits, axis=-1).tolist())
         keep = j + 1
         with m.phase("roll"):
             if inst.disable_rollback:

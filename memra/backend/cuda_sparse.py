@@ -1,0 +1,159 @@
+"""The sparse family of the CUDA backend: DSA kpool indexer, absorbed MLA attention, MoE.
+
+A mixin of CudaBackend (backend/cuda.py), self-sufficient so it can be used and tested alone:
+
+    ops = SparseOps()
+    positions = ops.kpool_select(q, w, pool_keys, pos0, pool, budget, width, scale)
+
+Each method has the name, signature and meaning of NumpyBackend's (backend/numpy_ref.py holds
+the semantics) and takes and returns cupy arrays. Kernels: kernels_cu/mla.cu, kernels_cu/moe.cu.
+Exact class: each output's reduction order is fixed by its own row's data, so row r of a
+t-row call is bit-identical to the t=1 call; the selections (pools, experts) use a strict
+total order (score, then lower index) and so are deterministic.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+
+from memra.backend.cuda_runtime import check, f32, i32, launch
+
+BLOCK = 256  # MEMRA_BLOCK in kernels_cu/common.cuh
+WARPS = BLOCK // 32  # moe.cu: output units (one warp each) per block
+ROUTE_THREADS = 32  # moe_route_select: one thread per row
+MAX_TOPK = 32  # moe_route_select keeps the chosen experts in a fixed local array
+MAX_GROUPS = 64  # ... and the kept groups in a 64-bit mask
+
+
+def _blocks(n: int, per: int = BLOCK) -> int:
+    return (n + per - 1) // per
+
+
+def _matrix_kind(a, name: str) -> str:
+    """Expert weights stay in their stored precision: float32, or bf16 as raw uint16 bits."""
+    if a.dtype == cp.uint16:
+        check(a, cp.uint16, name)
+        return "bf16"
+    check(a, cp.float32, name)
+    return "f32"
+
+
+class SparseOps:
+    # ---- DSA kpool indexer -----------------------------------------------------------------
+    def kpool_compress(self, keys, gates, ape):
+        """Pool keys [npool, Di] from keys, gates [npool, P, Di] and ape [P, Di]."""
+        check(keys, cp.float32, "keys")
+        check(gates, cp.float32, "gates")
+        check(ape, cp.float32, "ape")
+        npool, pool, di = keys.shape
+        assert gates.shape == keys.shape, f"gates {gates.shape} != keys {keys.shape}"
+        assert ape.shape == (pool, di), f"ape {ape.shape} != {(pool, di)}"
+        out = cp.empty((npool, di), cp.float32)
+        if npool * di:
+            launch("mla", "kpool_compress", (_blocks(npool * di),), (BLOCK,),
+                   (keys, gates, ape, out, i32(npool), i32(pool), i32(di)))
+        return out
+
+    def kpool_select(self, q, w, pool_keys, pos0: int, pool: int, budget: int, width: int,
+                     scale: float):
+        """Attended positions [t, width] int32, ascending, -1 padded (see NumpyBackend)."""
+        check(q, cp.float32, "q")
+        check(w, cp.float32, "w")
+        check(pool_keys, cp.float32, "pool_keys")
+        t, hi, di = q.shape
+        assert w.shape == (t, hi), f"w {w.shape} != {(t, hi)}"
+        assert pool_keys.ndim == 2 and pool_keys.shape[1] == di, f"pool_keys {pool_keys.shape}"
+        assert pool >= 1 and budget >= 1, f"pool {pool} and budget {budget} must be >= 1"
+        assert width >= (budget + 1) * pool - 1, (
+            f"width {width} < budget*pool + pool - 1 = {(budget + 1) * pool - 1}")
+        nmax = (pos0 + t) // pool  # pools the last row sees
+        assert pool_keys.shape[0] >= nmax, f"pool_keys has {pool_keys.shape[0]} rows < {nmax}"
+        out = cp.empty((t, width), cp.int32)
+        if t == 0:
+            return out
+        scores = cp.empty((t, max(nmax, 1)), cp.float32)
+        if nmax > budget:  # some row is sparse
+            launch("mla", "kpool_scores", (_blocks(nmax), t), (BLOCK,),
+                   (q, w, pool_keys, scores, i32(pos0), i32(pool), i32(hi), i32(di),
+                    i32(max(nmax, 1)), f32(scale)))
+        launch("mla", "kpool_select", (t,), (BLOCK,),
+               (scores, out, i32(pos0), i32(pool), i32(budget), i32(width), i32(max(nmax, 1))),
+               shared_mem=4 * budget)
+        return out
+
+    # ---- MLA -------------------------------------------------------------------------------
+    def mla_attend(self, q_lat, latent, positions, scale: float):
+        """o_lat [t, H, R] = sum_j softmax_j(scale q_lat . c_j) c_j over each row's positions."""
+        check(q_lat, cp.float32, "q_lat")
+        check(latent, cp.float32, "latent")
+        check(positions, cp.int32, "positions")
+        t, h, rank = q_lat.shape
+        assert latent.ndim == 2 and latent.shape[1] == rank, f"latent {latent.shape}"
+        assert positions.ndim == 2 and positions.shape[0] == t, f"positions {positions.shape}"
+        width = positions.shape[1]
+        out = cp.empty((t, h, rank), cp.float32)
+        if t * h == 0:
+            return out
+        scores = cp.empty((t * h, max(width, 1)), cp.float32)
+        launch("mla", "mla_attend", (t * h,), (BLOCK,),
+               (q_lat, latent, positions, scores, out, i32(h), i32(rank), i32(width), f32(scale)))
+        return out
+
+    # ---- MoE -------------------------------------------------------------------------------
+    def moe_route(self, x, w_gate, bias, n_group: int, topk_group: int, k: int,
+                  renormalize: bool, scaling: float):
+        """noaux_tc sigmoid routing -> (experts [t, k] int64 ascending, weights [t, k])."""
+        check(x, cp.float32, "x")
+        check(w_gate, cp.float32, "w_gate")
+        check(bias, cp.float32, "bias")
+        t, d = x.shape
+        e = w_gate.shape[0]
+        assert w_gate.shape == (e, d) and bias.shape == (e,), f"w_gate {w_gate.shape}, bias {bias.shape}"
+        assert 1 <= n_group <= MAX_GROUPS and e % n_group == 0 and e // n_group >= 2, (
+            f"n_group {n_group}: must divide E={e} into groups of >= 2, at most {MAX_GROUPS}")
+        assert 1 <= topk_group <= n_group, f"topk_group {topk_group} outside 1..{n_group}"
+        assert 1 <= k <= min(MAX_TOPK, topk_group * (e // n_group)), (
+            f"k {k} outside 1..min({MAX_TOPK}, experts in the kept groups)")
+        experts = cp.empty((t, k), cp.int64)
+        weights = cp.empty((t, k), cp.float32)
+        if t == 0:
+            return experts, weights
+        logits = cp.empty((t, e), cp.float32)
+        probs = cp.empty((t, e), cp.float32)
+        launch("moe", "moe_router_logits", (_blocks(e, WARPS),), (BLOCK,),
+               (x, w_gate, logits, i32(t), i32(e), i32(d)))
+        launch("moe", "moe_route_select", (_blocks(t, ROUTE_THREADS),), (ROUTE_THREADS,),
+               (logits, bias, probs, experts, weights, i32(t), i32(e), i32(n_group),
+                i32(topk_group), i32(k), i32(bool(renormalize)), f32(scaling)))
+        return experts, weights
+
+    def moe_experts(self, x, idx, wts, gate_w, up_w, down_w, limit: float):
+        """sum over the row's experts (slot order) of wt * down(swiglu(gate x, up x)).
+        gate_w, up_w [E, I, D]; down_w [E, D, I]; float32 or bf16 (uint16), all alike."""
+        check(x, cp.float32, "x")
+        check(idx, cp.int64, "idx")
+        check(wts, cp.float32, "wts")
+        kind = _matrix_kind(gate_w, "gate_w")
+        for name, a in (("up_w", up_w), ("down_w", down_w)):
+            check(a, gate_w.dtype, name)
+        t, d = x.shape
+        e, inter, _ = gate_w.shape
+        k = idx.shape[1]
+        assert gate_w.shape == (e, inter, d) and up_w.shape == (e, inter, d), (
+            f"gate_w {gate_w.shape}, up_w {up_w.shape}: expected {(e, inter, d)}")
+        assert down_w.shape == (e, d, inter), f"down_w {down_w.shape}: expected {(e, d, inter)}"
+        assert idx.shape == (t, k) and wts.shape == (t, k), f"idx {idx.shape}, wts {wts.shape}"
+        out = cp.empty((t, d), cp.float32)
+        if t * k * d == 0:
+            out.fill(0)
+            return out
+        # zeroed so a slot whose expert id matches no block adds 0 rather than garbage
+        h = cp.zeros((t, k, inter), cp.float32)
+        y = cp.zeros((t, k, d), cp.float32)
+        launch("moe", f"moe_gate_up_{kind}", (_blocks(inter, WARPS), e), (BLOCK,),
+               (x, idx, gate_w, up_w, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
+        launch("moe", f"moe_down_{kind}", (_blocks(d, WARPS), e), (BLOCK,),
+               (h, idx, down_w, y, i32(t), i32(k), i32(inter), i32(d)))
+        launch("moe", "moe_combine", (_blocks(t * d),), (BLOCK,),
+               (y, wts, out, i32(t), i32(k), i32(d)))
+        return out

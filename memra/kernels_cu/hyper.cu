@@ -1,0 +1,138 @@
+// mHC (manifold-constrained hyper-connections) kernels: site weights, collapse, combine, mean.
+// Exact class: every output's reduction order depends only on n and D (never on the row count
+// t or the grid size), so row r of a t-row launch is bit-identical to the same row launched alone.
+// Semantics: NumpyBackend.hc_weights / hc_collapse / hc_combine / stream_mean.
+#include "common.cuh"
+
+#define HC_WARPS (MEMRA_BLOCK / 32)
+#define HC_MAX_N 8  // streams; the wrapper asserts n <= HC_MAX_N (C lives in a local array)
+
+// The reference's overflow-free sigmoid: exp only ever sees -|x|.
+static __device__ __forceinline__ float hc_sigmoid(float x) {
+    const float e = expf(-fabsf(x));
+    return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
+// Fixed xor-butterfly over the 32 lanes. Each step adds a commutative pair, so every lane ends
+// with the same bits; callers still take lane 0's value.
+static __device__ __forceinline__ float hc_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// c[:, b] /= (sum_a c[a, b] + eps), sums in ascending a (the reference's sum(axis=0)).
+static __device__ void hc_normalise_columns(float* c, int n, float eps) {
+    for (int b = 0; b < n; ++b) {
+        float s = c[b];
+        for (int a = 1; a < n; ++a) s += c[a * n + b];
+        const float den = s + eps;
+        for (int a = 0; a < n; ++a) c[a * n + b] = c[a * n + b] / den;
+    }
+}
+
+static __device__ void hc_normalise_rows(float* c, int n, float eps) {
+    for (int a = 0; a < n; ++a) {
+        float s = c[a * n];
+        for (int b = 1; b < n; ++b) s += c[a * n + b];
+        const float den = s + eps;
+        for (int b = 0; b < n; ++b) c[a * n + b] = c[a * n + b] / den;
+    }
+}
+
+// One block (MEMRA_BLOCK threads) per row. streams [t, n, D]; fn [(2+n)n, nD]; base [(2+n)n];
+// scale [3]. Outputs pre [t, n], post [t, n], comb [t, n, n].
+extern "C" __global__ void hc_weights(const float* __restrict__ streams, const float* __restrict__ fn,
+                                      const float* __restrict__ base, const float* __restrict__ scale,
+                                      float* __restrict__ pre, float* __restrict__ post,
+                                      float* __restrict__ comb, int n, int d, float rms_eps,
+                                      float hc_eps, int iters) {
+    __shared__ float red[MEMRA_BLOCK];
+    __shared__ float m[(2 + HC_MAX_N) * HC_MAX_N];
+    const int r = blockIdx.x, nd = n * d, outs = (2 + n) * n;
+    const float* x = streams + (long long)r * nd;
+
+    // RMS over the flattened streams: threads stride nD, then the fixed tree of common.cuh.
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < nd; i += MEMRA_BLOCK) ss += x[i] * x[i];
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / (float)nd + rms_eps);
+
+    // m = fn @ (x * inv): one warp per output, lanes stride nD, then the butterfly. x * inv is
+    // formed on the fly (the reference's normalised vector, rounded the same way).
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int j = warp; j < outs; j += HC_WARPS) {
+        const float* w = fn + (long long)j * nd;
+        float acc = 0.0f;
+        for (int i = lane; i < nd; i += 32) acc += w[i] * (x[i] * inv);
+        acc = hc_warp_sum(acc);
+        if (lane == 0) m[j] = acc;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+
+    // The n + n + n*n epilogue is tiny: one thread, in the reference's exact operation order.
+    for (int i = 0; i < n; ++i) {
+        pre[r * n + i] = hc_sigmoid(m[i] * scale[0] + base[i]) + hc_eps;
+        post[r * n + i] = 2.0f * hc_sigmoid(m[n + i] * scale[1] + base[n + i]);
+    }
+    float c[HC_MAX_N * HC_MAX_N];
+    const float* mc = m + 2 * n;
+    const float* bc = base + 2 * n;
+    for (int a = 0; a < n; ++a) {  // row softmax of the logits, then + eps
+        float mx = __int_as_float(0xff800000);  // -inf (no host math.h under NVRTC)
+        for (int b = 0; b < n; ++b) {
+            c[a * n + b] = mc[a * n + b] * scale[2] + bc[a * n + b];
+            mx = fmaxf(mx, c[a * n + b]);
+        }
+        float s = 0.0f;
+        for (int b = 0; b < n; ++b) {
+            c[a * n + b] = expf(c[a * n + b] - mx);
+            s += c[a * n + b];
+        }
+        for (int b = 0; b < n; ++b) c[a * n + b] = c[a * n + b] / s + hc_eps;
+    }
+    hc_normalise_columns(c, n, hc_eps);
+    for (int it = 1; it < iters; ++it) {
+        hc_normalise_rows(c, n, hc_eps);
+        hc_normalise_columns(c, n, hc_eps);
+    }
+    for (int i = 0; i < n * n; ++i) comb[(long long)r * n * n + i] = c[i];
+}
+
+// out[r, k] = sum_i pre[r, i] X[r, i, k], streams accumulated 0..n-1. One thread per (r, k).
+extern "C" __global__ void hc_collapse(const float* __restrict__ streams, const float* __restrict__ pre,
+                                       float* __restrict__ out, int t, int n, int d) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)t * d) return;
+    const long long r = idx / d, k = idx % d;
+    const float* x = streams + r * n * d + k;
+    float acc = pre[r * n] * x[0];
+    for (int i = 1; i < n; ++i) acc = acc + pre[r * n + i] * x[(long long)i * d];
+    out[idx] = acc;
+}
+
+// X'[r, b, k] = post[r, b] f[r, k] + sum_a C[r, a, b] X[r, a, k] (C transposed), a ascending.
+extern "C" __global__ void hc_combine(const float* __restrict__ streams, const float* __restrict__ f,
+                                      const float* __restrict__ post, const float* __restrict__ comb,
+                                      float* __restrict__ out, int t, int n, int d) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)t * n * d) return;
+    const long long k = idx % d, b = (idx / d) % n, r = idx / ((long long)n * d);
+    const float* x = streams + r * n * d + k;
+    const float* c = comb + r * n * n + b;
+    float acc = c[0] * x[0];
+    for (int a = 1; a < n; ++a) acc = acc + c[a * n] * x[(long long)a * d];
+    out[idx] = post[r * n + b] * f[r * d + k] + acc;
+}
+
+// Unweighted stream mean: sum in stream order, then one division by n (as the reference).
+extern "C" __global__ void stream_mean(const float* __restrict__ streams, float* __restrict__ out,
+                                       int t, int n, int d) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)t * d) return;
+    const long long r = idx / d, k = idx % d;
+    const float* x = streams + r * n * d + k;
+    float acc = x[0];
+    for (int i = 1; i < n; ++i) acc = acc + x[(long long)i * d];
+    out[idx] = acc / (float)n;
+}

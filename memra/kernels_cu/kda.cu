@@ -1,0 +1,118 @@
+// Kimi Delta Attention kernels: causal short conv, log-decay gate, delta-rule recurrence.
+// Exact class. The stateful ops (short_conv, kda_recurrence) walk the t rows in order inside one
+// launch, parallel only over channels / (head, value column), never over rows: a t-row launch
+// then performs exactly the arithmetic of t successive one-row launches, and the ring / state
+// held in registers between rows round-trips through memory unchanged.
+// Semantics: NumpyBackend.short_conv / kda_gate / kda_recurrence.
+#include "common.cuh"
+
+#define KDA_WARPS (MEMRA_BLOCK / 32)
+#define KDA_MAX_CONV 16                  // conv taps; the wrapper asserts K <= KDA_MAX_CONV
+#define KDA_MAX_DK 256                   // key dim; the wrapper asserts dk <= KDA_MAX_DK
+#define KDA_SLOTS (KDA_MAX_DK / 32)      // S entries each lane holds for its column
+
+// The reference's overflow-free sigmoid: exp only ever sees -|x|.
+static __device__ __forceinline__ float kda_sigmoid(float x) {
+    const float e = expf(-fabsf(x));
+    return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
+// Fixed xor-butterfly over 32 lanes, then lane 0's value to all (one bit pattern per warp).
+static __device__ __forceinline__ float kda_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
+// x [t, C]; ring [K-1, C] (oldest first, advanced in place); w [C, K], tap K-1 meets the
+// current row; out [t, C] = SiLU(conv). One thread per channel walks the rows in order.
+extern "C" __global__ void short_conv(const float* __restrict__ x, float* __restrict__ ring,
+                                      const float* __restrict__ w, float* __restrict__ out,
+                                      int t, int c, int k) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    float hist[KDA_MAX_CONV];
+    for (int j = 0; j < k - 1; ++j) hist[j] = ring[(long long)j * c + ch];
+    const float* wc = w + (long long)ch * k;
+    for (int r = 0; r < t; ++r) {
+        const float xr = x[(long long)r * c + ch];
+        float acc = wc[0] * (k > 1 ? hist[0] : xr);
+        for (int j = 1; j < k; ++j) acc = acc + wc[j] * (j < k - 1 ? hist[j] : xr);
+        out[(long long)r * c + ch] = acc * kda_sigmoid(acc);
+        if (k > 1) {
+            for (int j = 0; j < k - 2; ++j) hist[j] = hist[j + 1];
+            hist[k - 2] = xr;
+        }
+    }
+    for (int j = 0; j < k - 1; ++j) ring[(long long)j * c + ch] = hist[j];
+}
+
+// g = lb * sigmoid(exp(a_log) (f + dt_bias)) when has_lb, else -exp(a_log) softplus(f + dt_bias)
+// with the reference's softplus (linear above 20). f, out [t, Hk, dk]; dt_bias [Hk, dk].
+extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __restrict__ a_log,
+                                    const float* __restrict__ dt_bias, float* __restrict__ out,
+                                    int t, int hk, int dk, int has_lb, float lb) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)t * hk * dk) return;
+    const int h = (int)((idx / dk) % hk), i = (int)(idx % dk);
+    const float z = f[idx] + dt_bias[h * dk + i];
+    const float rate = expf(a_log[h]);
+    if (has_lb) {
+        out[idx] = lb * kda_sigmoid(rate * z);
+    } else {
+        const float soft = z > 20.0f ? z : log1pf(expf(fminf(z, 20.0f)));
+        out[idx] = -rate * soft;
+    }
+}
+
+// Delta rule over the t rows in order, per head h:
+//   S <- S * exp(g)[:, None];  S += k (x) beta (v - S^T k);  o = S^T q.
+// q, k, g [t, Hk, dk]; v [t, Hk, dv]; beta [t, Hk]; state [Hk, dk, dv] float32 in place;
+// out [t, Hk, dv]. Grid (Hk, ceil(dv / KDA_WARPS)): one warp owns one value column j of S,
+// lane l holding S[l + 32 m, j]. Both dk-reductions: per lane ascending m, then the butterfly.
+extern "C" __global__ void kda_recurrence(const float* __restrict__ q, const float* __restrict__ k,
+                                          const float* __restrict__ v, const float* __restrict__ g,
+                                          const float* __restrict__ beta, float* __restrict__ state,
+                                          float* __restrict__ out, int t, int hk, int dk, int dv) {
+    const int h = blockIdx.x, lane = threadIdx.x % 32;
+    const int j = blockIdx.y * KDA_WARPS + threadIdx.x / 32;
+    if (j >= dv) return;  // a whole warp leaves together; no block-wide sync follows
+    float* col = state + (long long)h * dk * dv + j;
+    float s[KDA_SLOTS], kk[KDA_SLOTS];
+#pragma unroll
+    for (int m = 0; m < KDA_SLOTS; ++m) {
+        const int i = lane + 32 * m;
+        s[m] = i < dk ? col[(long long)i * dv] : 0.0f;
+    }
+    for (int r = 0; r < t; ++r) {
+        const long long kb = ((long long)r * hk + h) * dk;
+        const long long vb = ((long long)r * hk + h) * dv;
+        float ks = 0.0f;
+#pragma unroll
+        for (int m = 0; m < KDA_SLOTS; ++m) {
+            const int i = lane + 32 * m;
+            if (i < dk) {
+                s[m] = s[m] * expf(g[kb + i]);
+                kk[m] = k[kb + i];
+                ks += kk[m] * s[m];
+            }
+        }
+        ks = kda_warp_sum(ks);
+        const float delta = (v[vb + j] - ks) * beta[(long long)r * hk + h];
+        float qs = 0.0f;
+#pragma unroll
+        for (int m = 0; m < KDA_SLOTS; ++m) {
+            const int i = lane + 32 * m;
+            if (i < dk) {
+                s[m] = s[m] + kk[m] * delta;
+                qs += q[kb + i] * s[m];
+            }
+        }
+        qs = kda_warp_sum(qs);
+        if (lane == 0) out[vb + j] = qs;
+    }
+#pragma unroll
+    for (int m = 0; m < KDA_SLOTS; ++m) {
+        const int i = lane + 32 * m;
+        if (i < dk) col[(long long)i * dv] = s[m];
+    }
+}

@@ -1,0 +1,205 @@
+// The MoE family of the exact class: sigmoid noaux_tc routing and the routed experts.
+// Weight rows are walked by one warp per output unit that loops over the t rows inside the
+// block (weights read once per call, not once per row). Each dot is lanes striding the reduced
+// axis, then a fixed shuffle tree: its order depends on the reduced length only, never on t.
+// Expert outputs land in per-(row, slot) scratch and are summed per row in slot order, so no
+// float atomics and no order that depends on which other rows exist.
+#include "common.cuh"
+
+#define WARPS (MEMRA_BLOCK / 32)  // output units per block
+
+static __device__ __forceinline__ float widen(float v) { return v; }
+static __device__ __forceinline__ float widen(unsigned short v) { return bf16_to_f32(v); }
+
+// Lane 0 returns the dot of w[0..n) and x[0..n): lane l sums c = l, l+32, ... then a fixed tree.
+template <typename T>
+static __device__ __forceinline__ float warp_dot(const T* w, const float* x, int n, int lane) {
+    float acc = 0.0f;
+    for (int c = lane; c < n; c += 32) acc += widen(w[c]) * x[c];
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    return acc;
+}
+
+// The selection's total order: a higher score first, equal scores to the lower index;
+// index -1 stands for "no candidate" and ranks after everything.
+static __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
+    if (ia < 0) return false;
+    if (ib < 0) return true;
+    return va > vb || (va == vb && ia < ib);
+}
+
+// Router logits [t, E]: warp per expert, rows looped inside.
+extern "C" __global__ void moe_router_logits(const float* x, const float* w_gate, float* logits,
+                                             int t, int E, int D) {
+    int lane = threadIdx.x & 31;
+    int e = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (e >= E) return;
+    const float* we = w_gate + (long long)e * D;
+    for (int r = 0; r < t; ++r) {
+        float v = warp_dot(we, x + (long long)r * D, D, lane);
+        if (lane == 0) logits[(long long)r * E + e] = v;
+    }
+}
+
+// Sum of the two largest biased scores in group g (counted with multiplicity).
+static __device__ float group_score(const float* s, const float* bias, int g, int gsize) {
+    float m1 = __int_as_float(0xff800000), m2 = m1;
+    for (int e = g * gsize; e < (g + 1) * gsize; ++e) {
+        float v = s[e] + bias[e];
+        if (v > m1) {
+            m2 = m1;
+            m1 = v;
+        } else if (v > m2) {
+            m2 = v;
+        }
+    }
+    return m1 + m2;
+}
+
+// One thread per row: sigmoid scores, best groups, best experts inside them (each chosen one at
+// a time as the best candidate ranking after the previous winner), ascending experts, weights
+// from the unbiased scores. probs: scratch [t, E]. k <= 32 and n_group <= 64 (wrapper checks).
+extern "C" __global__ void moe_route_select(const float* logits, const float* bias, float* probs,
+                                            long long* experts, float* weights, int t, int E,
+                                            int n_group, int topk_group, int k, int renormalize,
+                                            float scaling) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= t) return;
+    const float* lg = logits + (long long)r * E;
+    float* s = probs + (long long)r * E;
+    for (int e = 0; e < E; ++e) {
+        float z = lg[e];
+        float ez = expf(-fabsf(z));  // overflow-free sigmoid, as the reference computes it
+        s[e] = z >= 0.0f ? 1.0f / (1.0f + ez) : ez / (1.0f + ez);
+    }
+    int gsize = E / n_group;
+    unsigned long long keep = 0ull;
+    float prev_v = 0.0f;
+    int prev_i = -1;
+    for (int b = 0; b < topk_group; ++b) {
+        float best_v = 0.0f;
+        int best_i = -1;
+        for (int g = 0; g < n_group; ++g) {
+            float v = group_score(s, bias, g, gsize);
+            bool after = prev_i < 0 || ranks_before(prev_v, prev_i, v, g);
+            if (after && ranks_before(v, g, best_v, best_i)) {
+                best_v = v;
+                best_i = g;
+            }
+        }
+        keep |= 1ull << best_i;
+        prev_v = best_v;
+        prev_i = best_i;
+    }
+    int chosen[32];
+    prev_i = -1;
+    for (int b = 0; b < k; ++b) {
+        float best_v = 0.0f;
+        int best_i = -1;
+        for (int e = 0; e < E; ++e) {
+            if (!((keep >> (e / gsize)) & 1ull)) continue;
+            float v = s[e] + bias[e];
+            bool after = prev_i < 0 || ranks_before(prev_v, prev_i, v, e);
+            if (after && ranks_before(v, e, best_v, best_i)) {
+                best_v = v;
+                best_i = e;
+            }
+        }
+        chosen[b] = best_i;
+        prev_v = best_v;
+        prev_i = best_i;
+    }
+    for (int b = 1; b < k; ++b) {  // insertion sort: experts come out ascending
+        int v = chosen[b], c = b - 1;
+        while (c >= 0 && chosen[c] > v) {
+            chosen[c + 1] = chosen[c];
+            --c;
+        }
+        chosen[c + 1] = v;
+    }
+    float sum = 0.0f;
+    for (int b = 0; b < k; ++b) sum += s[chosen[b]];
+    for (int b = 0; b < k; ++b) {
+        float wt = s[chosen[b]];
+        if (renormalize) wt = wt / (sum + 1e-20f);
+        experts[(long long)r * k + b] = chosen[b];
+        weights[(long long)r * k + b] = wt * scaling;
+    }
+}
+
+// h[r, s, i] = swiglu(gate_e[i] . x_r, up_e[i] . x_r) for every (row, slot) routed to expert e
+// (blockIdx.y); warp per intermediate unit i. h: [t, k, I].
+template <typename T>
+static __device__ void gate_up(const float* x, const long long* idx, const T* gate_w,
+                               const T* up_w, float* h, int t, int k, int I, int D, float limit) {
+    int lane = threadIdx.x & 31;
+    int i = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    int e = blockIdx.y;
+    if (i >= I) return;
+    const T* g = gate_w + ((long long)e * I + i) * D;
+    const T* u = up_w + ((long long)e * I + i) * D;
+    for (int r = 0; r < t; ++r) {
+        for (int sl = 0; sl < k; ++sl) {
+            if (idx[r * k + sl] != e) continue;
+            float gv = warp_dot(g, x + (long long)r * D, D, lane);
+            float uv = warp_dot(u, x + (long long)r * D, D, lane);
+            if (lane == 0) {
+                float a = siluf_exact(fminf(gv, limit));
+                h[((long long)r * k + sl) * I + i] = a * fminf(fmaxf(uv, -limit), limit);
+            }
+        }
+    }
+}
+
+// y[r, s, c] = down_e[c] . h[r, s] for the (row, slot) pairs routed to expert e; warp per c.
+template <typename T>
+static __device__ void down(const float* h, const long long* idx, const T* down_w, float* y,
+                            int t, int k, int I, int D) {
+    int lane = threadIdx.x & 31;
+    int c = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    int e = blockIdx.y;
+    if (c >= D) return;
+    const T* wr = down_w + ((long long)e * D + c) * I;
+    for (int r = 0; r < t; ++r) {
+        for (int sl = 0; sl < k; ++sl) {
+            if (idx[r * k + sl] != e) continue;
+            float v = warp_dot(wr, h + ((long long)r * k + sl) * I, I, lane);
+            if (lane == 0) y[((long long)r * k + sl) * D + c] = v;
+        }
+    }
+}
+
+extern "C" __global__ void moe_gate_up_f32(const float* x, const long long* idx, const float* gw,
+                                           const float* uw, float* h, int t, int k, int I, int D,
+                                           float limit) {
+    gate_up(x, idx, gw, uw, h, t, k, I, D, limit);
+}
+
+extern "C" __global__ void moe_gate_up_bf16(const float* x, const long long* idx,
+                                            const unsigned short* gw, const unsigned short* uw,
+                                            float* h, int t, int k, int I, int D, float limit) {
+    gate_up(x, idx, gw, uw, h, t, k, I, D, limit);
+}
+
+extern "C" __global__ void moe_down_f32(const float* h, const long long* idx, const float* dw,
+                                        float* y, int t, int k, int I, int D) {
+    down(h, idx, dw, y, t, k, I, D);
+}
+
+extern "C" __global__ void moe_down_bf16(const float* h, const long long* idx,
+                                         const unsigned short* dw, float* y, int t, int k, int I,
+                                         int D) {
+    down(h, idx, dw, y, t, k, I, D);
+}
+
+// out[r, c] = sum over the row's slots in order of y[r, s, c] * wt[r, s].
+extern "C" __global__ void moe_combine(const float* y, const float* wts, float* out, int t, int k,
+                                       int D) {
+    long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= (long long)t * D) return;
+    long long r = id / D;
+    int c = (int)(id % D);
+    float acc = 0.0f;
+    for (int sl = 0; sl < k; ++sl) acc = acc + y[(r * k + sl) * D + c] * wts[r * k + sl];
+    out[id] = acc;
+}

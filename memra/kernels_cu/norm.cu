@@ -1,0 +1,123 @@
+// Norm family: per-row reductions over the last axis (RMSNorm, LayerNorm, L2 norm, KDA's gated
+// RMSNorm, softmax, argmax). One block of MEMRA_BLOCK threads owns one row: thread i folds
+// elements i, i+MEMRA_BLOCK, ... in increasing order, then common.cuh's fixed tree combines the
+// partials. The order depends only on the row length, never on how many rows the launch holds,
+// so row r of a t-row call is bit-identical to the row computed alone.
+// grid (rows), block MEMRA_BLOCK for every kernel here.
+#include "common.cuh"
+
+static __device__ __forceinline__ const float* row_in(const float* a, int n) {
+    return a + (long long)blockIdx.x * n;
+}
+
+static __device__ __forceinline__ float* row_out(float* a, int n) {
+    return a + (long long)blockIdx.x * n;
+}
+
+static __device__ float row_sum_squares(const float* x, int n, float* shm) {
+    float s = 0.0f;
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) s = s + x[k] * x[k];
+    return block_sum(s, shm);
+}
+
+// 1 / sqrt(mean(x^2) + eps), as numpy_ref's _rmsnorm_row computes it.
+static __device__ float rms_scale(const float* x, int n, float eps, float* shm) {
+    const float mean = row_sum_squares(x, n, shm) / (float)n;
+    return 1.0f / sqrtf(mean + eps);
+}
+
+// w may be null (unweighted RMSNorm).
+extern "C" __global__ void rmsnorm_rows(const float* x, const float* w, float* y, int n,
+                                        float eps) {
+    __shared__ float shm[MEMRA_BLOCK];
+    const float* xr = row_in(x, n);
+    float* yr = row_out(y, n);
+    const float inv = rms_scale(xr, n, eps, shm);
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) {
+        const float v = xr[k] * inv;
+        yr[k] = w ? v * w[k] : v;
+    }
+}
+
+// rmsnorm(o) * w * sigmoid(gate): KDA's output norm.
+extern "C" __global__ void gated_rmsnorm_rows(const float* o, const float* gate, const float* w,
+                                              float* y, int n, float eps) {
+    __shared__ float shm[MEMRA_BLOCK];
+    const float* orow = row_in(o, n);
+    const float* grow = row_in(gate, n);
+    float* yr = row_out(y, n);
+    const float inv = rms_scale(orow, n, eps, shm);
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK)
+        yr[k] = ((orow[k] * inv) * w[k]) * sigmoidf_exact(grow[k]);
+}
+
+// (x - mean) / sqrt(var + eps) * w + b, the variance taken about the mean (two passes).
+extern "C" __global__ void layernorm_rows(const float* x, const float* w, const float* b,
+                                          float* y, int n, float eps) {
+    __shared__ float shm[MEMRA_BLOCK];
+    const float* xr = row_in(x, n);
+    float* yr = row_out(y, n);
+    float s = 0.0f;
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) s = s + xr[k];
+    const float mu = block_sum(s, shm) / (float)n;
+    float ss = 0.0f;
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) {
+        const float d = xr[k] - mu;
+        ss = ss + d * d;
+    }
+    const float den = sqrtf(block_sum(ss, shm) / (float)n + eps);
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) yr[k] = (xr[k] - mu) / den * w[k] + b[k];
+}
+
+// x / sqrt(sum(x^2) + eps) (fla's convention: eps inside the sqrt).
+extern "C" __global__ void l2norm_rows(const float* x, float* y, int n, float eps) {
+    __shared__ float shm[MEMRA_BLOCK];
+    const float* xr = row_in(x, n);
+    float* yr = row_out(y, n);
+    const float den = sqrtf(row_sum_squares(xr, n, shm) + eps);
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) yr[k] = xr[k] / den;
+}
+
+// exp(x - max) / sum(exp(x - max)); the exponentials are recomputed (same inputs, same bits).
+extern "C" __global__ void softmax_rows(const float* x, float* y, int n) {
+    __shared__ float shm[MEMRA_BLOCK];
+    const float* xr = row_in(x, n);
+    float* yr = row_out(y, n);
+    float m = __int_as_float(0xff800000);  // -inf
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) m = fmaxf(m, xr[k]);
+    m = block_max(m, shm);
+    float s = 0.0f;
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) s = s + expf(xr[k] - m);
+    s = block_sum(s, shm);
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) yr[k] = expf(xr[k] - m) / s;
+}
+
+// numpy's argmax order: NaN beats every number (the first NaN wins), otherwise the larger value,
+// and among equal values the lower index. A total order, so the answer is order-independent.
+static __device__ __forceinline__ bool beats(float b, int ib, float a, int ia) {
+    if (a != a) return b != b && ib < ia;  // a is NaN
+    if (b != b) return true;
+    return b > a || (b == a && ib < ia);
+}
+
+extern "C" __global__ void argmax_rows(const float* x, long long* out, int n) {
+    __shared__ float vals[MEMRA_BLOCK];
+    __shared__ int idxs[MEMRA_BLOCK];
+    const float* xr = row_in(x, n);
+    float best = __int_as_float(0xff800000);  // -inf
+    int at = 0x7fffffff;  // sentinel: loses every tie against a real index
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK)
+        if (beats(xr[k], k, best, at)) { best = xr[k]; at = k; }
+    vals[threadIdx.x] = best;
+    idxs[threadIdx.x] = at;
+    __syncthreads();
+    for (int s = MEMRA_BLOCK / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s && beats(vals[threadIdx.x + s], idxs[threadIdx.x + s],
+                                     vals[threadIdx.x], idxs[threadIdx.x])) {
+            vals[threadIdx.x] = vals[threadIdx.x + s];
+            idxs[threadIdx.x] = idxs[threadIdx.x + s];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = idxs[0];
+}

@@ -184,6 +184,14 @@ class DenseOps:
             launch("norm", "softmax_rows", (rows,), (BLOCK,), (x, out, i32(n)))
         return out
 
+    def log_softmax(self, x):
+        """Log-softmax over the last axis, any leading shape."""
+        rows, n = _rows_of(x, "x")
+        out = cp.empty_like(x)
+        if rows:
+            launch("norm", "log_softmax_rows", (rows,), (BLOCK,), (x, out, i32(n)))
+        return out
+
     def argmax(self, x):
         """Row-wise argmax over the last axis (int64, the lowest index among ties, NaN first)."""
         rows, n = _rows_of(x, "x")

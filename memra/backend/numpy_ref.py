@@ -135,6 +135,15 @@ class NumpyBackend:
     def softmax(self, x: np.ndarray) -> np.ndarray:
         return _softmax(x, axis=-1)
 
+    def log_softmax(self, x: np.ndarray) -> np.ndarray:
+        """x - max - log(sum(exp(x - max))) over the last axis (for sampling and scoring)."""
+        flat = x.reshape(-1, x.shape[-1])
+        out = np.empty_like(flat)
+        for r in range(flat.shape[0]):
+            z = flat[r] - flat[r].max()
+            out[r] = z - np.log(np.sum(np.exp(z), dtype=F32))
+        return out.reshape(x.shape)
+
     def argmax(self, x: np.ndarray) -> np.ndarray:
         """Row-wise argmax; np.argmax returns the lowest index among ties."""
         return np.argmax(x, axis=-1)

@@ -92,6 +92,19 @@ extern "C" __global__ void softmax_rows(const float* x, float* y, int n) {
     for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) yr[k] = expf(xr[k] - m) / s;
 }
 
+extern "C" __global__ void log_softmax_rows(const float* x, float* y, int n) {
+    __shared__ float shm[MEMRA_BLOCK];
+    const float* xr = row_in(x, n);
+    float* yr = row_out(y, n);
+    float m = __int_as_float(0xff800000);  // -inf
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) m = fmaxf(m, xr[k]);
+    m = block_max(m, shm);
+    float s = 0.0f;
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) s = s + expf(xr[k] - m);
+    const float lse = logf(block_sum(s, shm));
+    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) yr[k] = (xr[k] - m) - lse;
+}
+
 // numpy's argmax order: NaN beats every number (the first NaN wins), otherwise the larger value,
 // and among equal values the lower index. A total order, so the answer is order-independent.
 static __device__ __forceinline__ bool beats(float b, int ib, float a, int ia) {

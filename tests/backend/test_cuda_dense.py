@@ -56,6 +56,7 @@ TOLERANCE = {
     "sigmoid": (1e-5, 1e-6),
     "swiglu": (1e-5, 1e-5),
     "softmax": (1e-5, 1e-8),
+    "log_softmax": (1e-5, 1e-5),
     "argmax": (0.0, 0.0),
 }
 
@@ -170,6 +171,7 @@ CASES = [
     Case("sigmoid", _rows(x=(2, 129, 3.0)), lambda be, r, s: be.sigmoid(r["x"])),
     Case("swiglu", _make_swiglu, lambda be, r, s: be.swiglu(r["gate"], r["up"], 10.0)),
     Case("softmax", _rows(x=(256, 3.0)), lambda be, r, s: be.softmax(r["x"])),
+    Case("log_softmax", _rows(x=(256, 3.0)), lambda be, r, s: be.log_softmax(r["x"])),
     Case("softmax_odd", _rows(x=(3, 67, 3.0)), lambda be, r, s: be.softmax(r["x"])),
     Case("argmax", _rows(x=(1001, 1.0)), lambda be, r, s: be.argmax(r["x"])),
     Case("argmax_ties", _make_argmax_ties, lambda be, r, s: be.argmax(r["x"])),

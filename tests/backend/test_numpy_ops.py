@@ -187,6 +187,7 @@ ROW_CASES = [
     _case("sigmoid", _make_rows_only(x=(129, 3.0)), lambda be, r, s, _: be.sigmoid(r["x"])),
     _case("swiglu", _make_swiglu, lambda be, r, s, _: be.swiglu(r["gate"], r["up"], 10.0)),
     _case("softmax", _make_rows_only(x=(256, 3.0)), lambda be, r, s, _: be.softmax(r["x"])),
+    _case("log_softmax", _make_rows_only(x=(256, 3.0)), lambda be, r, s, _: be.log_softmax(r["x"])),
     _case("argmax", _make_argmax, lambda be, r, s, _: be.argmax(r["x"])),
     _case("kda_gate_lower_bound", _make_kda_gate,
           lambda be, r, s, _: be.kda_gate(r["f"], s["a_log"], s["dt_bias"], -5.0)),
@@ -326,3 +327,11 @@ def test_sigmoid_saturates_without_overflow_warning():
         warnings.simplefilter("error")
         out = NumpyBackend().sigmoid(np.array([[-100.0, 100.0]], F32))
     assert 0 <= out[0, 0] < 1e-30 and out[0, 1] == 1
+
+
+def test_log_softmax_is_the_log_of_softmax():
+    x = np.random.default_rng(4).standard_normal((3, 257)).astype(F32) * 8
+    be = NumpyBackend()
+    ls = be.log_softmax(x)
+    assert np.allclose(np.exp(ls).sum(-1), 1.0, rtol=1e-5)
+    assert np.allclose(ls, np.log(be.softmax(x)), rtol=1e-5, atol=1e-5)

@@ -39,5 +39,8 @@ class CudaBackend(DenseOps, RecurrentOps, SparseOps):
     def to_host(self, a) -> np.ndarray:
         return cp.asnumpy(a)
 
+    def contiguous(self, a):
+        return cp.ascontiguousarray(a)
+
     def concat(self, arrays, axis: int = -1):
         return cp.ascontiguousarray(cp.concatenate(arrays, axis=axis))

@@ -67,6 +67,10 @@ class NumpyBackend:
     def to_host(self, a) -> np.ndarray:
         return np.asarray(a)
 
+    def contiguous(self, a) -> np.ndarray:
+        """A C-contiguous copy of a strided view (kernels take contiguous rows)."""
+        return np.ascontiguousarray(a)
+
     def concat(self, arrays, axis: int = -1) -> np.ndarray:
         return np.concatenate(arrays, axis=axis)
 

@@ -56,9 +56,10 @@ class KdaMixer:
         if stash is not None:
             stash.update(ring=st.ring.copy(), state=st.state.copy(), raw=raw)
         mixed = be.short_conv(raw, st.ring, self.conv)
-        q = be.l2norm(mixed[:, :c].reshape(t, hk, dk), 1e-6) * np.float32(dk ** -0.5)
-        k = be.l2norm(mixed[:, c:2 * c].reshape(t, hk, dk), 1e-6)
-        v = mixed[:, 2 * c:].reshape(t, hk, dk)
+        heads = lambda cols: be.contiguous(mixed[:, cols]).reshape(t, hk, dk)
+        q = be.l2norm(heads(slice(0, c)), 1e-6) * np.float32(dk ** -0.5)
+        k = be.l2norm(heads(slice(c, 2 * c)), 1e-6)
+        v = heads(slice(2 * c, 3 * c))
         f = be.linear(be.linear(x, self.f_a), self.f_b).reshape(t, hk, dk)
         g = be.kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound)
         beta = be.sigmoid(be.linear(x, self.b_proj))

@@ -59,3 +59,20 @@ def test_cuda_t_row_walk_rows_equal_plain_decode_steps(pair, t):
     gpu.prime(p[:30], plain)
     for r in range(t):
         assert np.array_equal(rows[r], gpu.decode_step(int(p[30 + r]), plain)), f"row {r} of t={t}"
+
+
+def test_cuda_decode_is_deterministic_run_to_run(pair):
+    gpu, _ = pair
+    p = _prompt(gpu, 40, seed=11)
+    runs = []
+    for _ in range(2):
+        cache = gpu.new_cache(64)
+        logits = [gpu.prime(p, cache)]
+        for tok in (3, 1, 4, 1, 5):
+            logits.append(gpu.decode_step(tok, cache))
+        runs.append(np.stack(logits))
+    assert np.array_equal(runs[0], runs[1])
+
+
+def test_auto_backend_picks_cuda_on_a_gpu_host(fixture_dir):
+    assert load_model(fixture_dir("mini"), backend="auto").be.name == "cuda"

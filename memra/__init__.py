@@ -13,8 +13,10 @@ import os
 from memra import errors
 from memra.config import ModelConfig, load_config, preset
 from memra.errors import MemraError
+from memra.generate import GenerateResult, generate
 
-__all__ = ["load_config", "load_model", "preset", "ModelConfig", "MemraError", "errors"]
+__all__ = ["load_config", "load_model", "generate", "GenerateResult", "preset", "ModelConfig", "MemraError",
+           "errors"]
 
 
 def load_model(path: str | os.PathLike, backend: str = "auto"):

@@ -4,6 +4,8 @@
     model = load_model("path/to/checkpoint", backend="auto")
     cache = model.new_cache(4096)
     logits = model.prime(prompt_ids, cache)
+
+Draft-source plugins decorate their hook with `@memra.hookimpl` (docs/plugins.md).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import os
 
 from memra import errors
 from memra.config import ModelConfig, load_config, preset
+from memra.drafters.hookspecs import hookimpl
 from memra.errors import MemraError
 from memra.generate import GenerateResult, generate
+from memra.spec.sampling import SamplingParams
 
-__all__ = ["load_config", "load_model", "generate", "GenerateResult", "preset", "ModelConfig", "MemraError",
-           "errors"]
+__all__ = ["load_config", "load_model", "generate", "GenerateResult", "SamplingParams", "preset", "ModelConfig", "MemraError",
+           "errors", "hookimpl"]
 
 
 def load_model(path: str | os.PathLike, backend: str = "auto"):

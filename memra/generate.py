@@ -14,6 +14,7 @@ import numpy as np
 
 from memra.errors import InputError
 from memra.spec.metrics import SpecMetrics
+from memra.spec.sampling import SampleStreams, SamplingParams, filtered_probs
 
 
 @dataclass
@@ -42,26 +43,52 @@ def greedy(model, prompt_ids, max_new_tokens: int, eos_ids=(), max_ctx: int | No
         logits = model.decode_step(token, cache)
 
 
+def sampled(model, prompt_ids, max_new_tokens: int, sampling: SamplingParams, eos_ids=()) -> list[int]:
+    """Plain sampled decoding: each token drawn from the filtered target distribution, on the
+    same Philox draw stream (counter sctr) a speculative session uses."""
+    _check_count(max_new_tokens)
+    if sampling.penalised:
+        raise InputError("repetition/presence/frequency penalties are not supported: drop them")
+    prompt = list(prompt_ids)
+    out: list[int] = []
+    if max_new_tokens == 0:
+        return out
+    streams = SampleStreams(model.be, sampling.seed)
+    cache = model.new_cache(len(prompt) + max_new_tokens)
+    logits = model.prime(prompt, cache)
+    while True:
+        token = streams.draw(filtered_probs(logits, sampling))
+        out.append(token)
+        if token in eos_ids or len(out) == max_new_tokens:
+            return out
+        logits = model.decode_step(token, cache)
+
+
 def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, num_draft_tokens: int = 4,
              draft_options: dict | None = None, sampling=None, eos=(), p_min: float = 0.0,
              pmin0: bool = False) -> GenerateResult:
-    """Greedy generation, plain (draft=None) or speculative through a named draft source."""
+    """Generation, plain (draft=None) or speculative through a named draft source; greedy
+    (sampling None or temperature 0) or sampled (exact in distribution)."""
     from memra.drafters.registry import load_drafter
     from memra.spec.session import SpecSession
 
     _check_count(max_new_tokens)
-    if sampling is not None:
-        raise InputError("sampled generation is not available yet: pass sampling=None for greedy decoding")
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise InputError("sampling must be a memra.SamplingParams (or None for greedy)")
+    if sampling is not None and sampling.greedy:
+        sampling = None
     eos = tuple(int(e) for e in eos)
     if draft is None:
-        return GenerateResult(greedy(model, prompt_ids, max_new_tokens, eos), SpecMetrics().as_dict())
+        tokens = greedy(model, prompt_ids, max_new_tokens, eos) if sampling is None else \
+            sampled(model, prompt_ids, max_new_tokens, sampling, eos)
+        return GenerateResult(tokens, SpecMetrics().as_dict())
     drafter = load_drafter(draft, model, draft_options)
     prompt = [int(t) for t in prompt_ids]
     out: list[int] = []
     if max_new_tokens == 0:
         return GenerateResult(out, SpecMetrics().as_dict())
     max_ctx = len(prompt) + max_new_tokens + num_draft_tokens + 8
-    session = SpecSession(model, prompt, drafter, max_ctx, p_min=p_min, pmin0=pmin0)
+    session = SpecSession(model, prompt, drafter, max_ctx, p_min=p_min, pmin0=pmin0, sampling=sampling)
     while len(out) < max_new_tokens and not session.done:
         tokens, _, _ = session.burst(max_new_tokens - len(out), num_draft_tokens, eos)
         if not tokens:

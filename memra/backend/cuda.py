@@ -13,11 +13,12 @@ import cupy as cp
 
 from memra.backend.cuda_dense import DenseOps
 from memra.backend.cuda_recurrent import RecurrentOps
+from memra.backend.cuda_sampling import SamplingOps
 from memra.backend.cuda_sparse import SparseOps
 from memra.safetensors_io import bf16_to_f32
 
 
-class CudaBackend(DenseOps, RecurrentOps, SparseOps):
+class CudaBackend(DenseOps, RecurrentOps, SparseOps, SamplingOps):
     name = "cuda"
 
     def asarray(self, a, dtype=np.float32):

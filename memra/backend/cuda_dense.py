@@ -19,10 +19,9 @@ import numpy as np
 
 import cupy as cp
 
-from memra.backend.cuda_runtime import check, f32, i32, launch
+from memra.backend.cuda_runtime import BLOCK, check, f32, i32, launch
 from memra.errors import InputError
 
-BLOCK = 256           # MEMRA_BLOCK in common.cuh: threads per block for every launch here
 OUTS_PER_BLOCK = 32   # dense.cu: WARPS_PER_BLOCK * OUTS_PER_WARP outputs per projection block
 MAX_GRID = 65535 * 32  # elementwise launches: grid-stride loops cover the rest
 INT32_MAX = 2**31 - 1

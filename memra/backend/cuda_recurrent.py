@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import cupy as cp
 
-from memra.backend.cuda_runtime import check, f32, i32, launch
+from memra.backend.cuda_runtime import BLOCK, check, f32, i32, launch
 
-BLOCK = 256  # = MEMRA_BLOCK in common.cuh
 WARPS = BLOCK // 32
 HC_MAX_N = 8  # hyper.cu HC_MAX_N
 CONV_MAX_K = 16  # kda.cu KDA_MAX_CONV

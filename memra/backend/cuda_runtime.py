@@ -16,6 +16,7 @@ import numpy as np
 import cupy as cp
 
 OPTIONS = ("--std=c++17", "--fmad=false")
+BLOCK = 256  # MEMRA_BLOCK in kernels_cu/common.cuh: threads per block of every row reduction
 
 
 def kernel_dir():

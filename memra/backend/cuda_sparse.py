@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import cupy as cp
 
-from memra.backend.cuda_runtime import check, f32, i32, launch
+from memra.backend.cuda_runtime import BLOCK, check, f32, i32, launch
 
-BLOCK = 256  # MEMRA_BLOCK in kernels_cu/common.cuh
 WARPS = BLOCK // 32  # moe.cu: output units (one warp each) per block
 ROUTE_THREADS = 32  # moe_route_select: one thread per row
 MAX_TOPK = 32  # moe_route_select keeps the chosen experts in a fixed local array

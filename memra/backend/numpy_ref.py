@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from memra.safetensors_io import bf16_to_f32
+from memra.spec.philox import TAG_DRAW, uniforms
 
 F32 = np.float32
 
@@ -325,3 +326,10 @@ class NumpyBackend:
                 h = self.swiglu(gate_w[e] @ x[r], up_w[e] @ x[r], limit)
                 out[r] = out[r] + (down_w[e] @ h) * wt
         return out
+
+    # ---- sampling draws -------------------------------------------------------------------------
+    def race_draw(self, probs, seed: int, counter: int, tag: int = TAG_DRAW) -> int:
+        """argmax_i p_i / E_i, E_i = -log(u_i) over the Philox stream: a draw from probs
+        (ties to the lower index; a zero-probability token never wins)."""
+        p = np.asarray(probs, dtype=np.float64)
+        return int(np.argmax(p / -np.log(uniforms(seed, counter, tag, p.size))))

@@ -18,6 +18,7 @@ import numpy as np
 
 from memra.drafters.base import Proposal, RoundOutcome, SessionStart
 from memra.errors import InputError
+from memra.spec.sampling import DenseQ
 
 
 class NativeMtpSource:
@@ -83,21 +84,38 @@ class NativeMtpState:
         return be.to_host(logits[-1]), carrier[-1:]
 
     def propose(self, k: int, sampling=None) -> Proposal:
+        """K chained drafts: greedy argmaxes, or (sampling) draws from the filtered draft
+        distribution, whose rows (scattered to the full vocab) are the proposal's q."""
         d, be = self.drafter, self.drafter.model.be
         h = be.concat(self.pending_h, axis=0)
         logits, carrier = self._step(self.pending_tokens, h)
         self.pending_tokens, self.pending_h = [], []
         self.committed_len = self.plane.length
-        tokens, confidences = [], []
+        tokens, confidences, q_rows = [], [], []
         for ki in range(k):
-            rank = int(np.argmax(logits))
-            z = np.exp(logits - logits.max())
-            confidences.append(float(z[rank] / z.sum()))
+            if sampling is None:
+                rank = int(np.argmax(logits))
+                z = np.exp(logits - logits.max())
+                confidences.append(float(z[rank] / z.sum()))
+            else:
+                probs = sampling.filter(logits)
+                rank = sampling.draw(probs)
+                confidences.append(float(probs[rank]))
+                q_rows.append(self._full_vocab(probs))
             tok = rank if d.d2t is None or d.skip_d2t_remap else int(d.d2t[rank])
             tokens.append(tok)
             if ki + 1 < k:
                 logits, carrier = self._step([tok], carrier)
-        return Proposal(tokens=tokens, confidences=confidences)
+        q = DenseQ(np.stack(q_rows)) if q_rows else None
+        return Proposal(tokens=tokens, q=q, confidences=confidences)
+
+    def _full_vocab(self, probs: np.ndarray) -> np.ndarray:
+        d = self.drafter
+        if d.d2t is None or d.skip_d2t_remap:
+            return probs
+        row = np.zeros(d.model.cfg.vocab_size)
+        np.add.at(row, d.d2t, probs)
+        return row
 
     def commit(self, outcome: RoundOutcome) -> None:
         """Drop the chain rows; queue (next token, h) pairs for every kept verify row."""

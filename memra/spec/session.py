@@ -20,6 +20,7 @@ from memra.errors import InputError
 from memra.model.trunk import VERIFY_CAP
 from memra.spec.accept import conf_keep, greedy_accept
 from memra.spec.metrics import SpecMetrics
+from memra.spec.sampling import DraftSampling, SampleStreams, SamplingParams, accept_walk, filtered_probs
 
 MAX_K = VERIFY_CAP - 1
 
@@ -35,7 +36,7 @@ class GateInstruments:
 
 class SpecSession:
     def __init__(self, model, prompt_ids, drafter, max_ctx: int, p_min: float = 0.0, pmin0: bool = False,
-                 instruments: GateInstruments | None = None):
+                 instruments: GateInstruments | None = None, sampling: SamplingParams | None = None):
         prompt = [int(t) for t in prompt_ids] if not isinstance(prompt_ids, np.ndarray) else prompt_ids.tolist()
         if len(prompt) < 2:
             raise InputError("speculative decoding needs a prompt of >= 2 tokens (the draft warms on "
@@ -43,13 +44,24 @@ class SpecSession:
         if len(prompt) + 4 > max_ctx:
             raise InputError(f"max_ctx {max_ctx} leaves no room for the prompt ({len(prompt)}) plus one "
                              "verify round; raise max_ctx")
+        self.sampling = None if sampling is None or sampling.greedy else sampling
+        if self.sampling is not None and self.sampling.penalised:
+            raise InputError("speculative decoding has no penalty arm: repetition/presence/frequency "
+                             "penalties are refused; drop them or decode without a draft source")
         self.model, self.drafter = model, drafter
         self.instruments = instruments or GateInstruments()
         self.p_min, self.pmin0 = self.instruments.pmin_override or (p_min, pmin0)
         self.cache = model.new_cache(max_ctx)
         logits, collapsed, taps = model.prime_rows(prompt, self.cache, drafter.tap_layers)
         self.committed = list(prompt)
-        self.anchor = int(np.argmax(logits))
+        self.streams = None
+        self.draft_sampling = None
+        if self.sampling is None:
+            self.anchor = int(np.argmax(logits))
+        else:
+            self.streams = SampleStreams(model.be, self.sampling.seed)
+            self.draft_sampling = DraftSampling(self.sampling, self.streams)
+            self.anchor = self.streams.draw(filtered_probs(logits, self.sampling))
         self.anchor_emitted = False
         self.done = False
         self.metrics = SpecMetrics()
@@ -82,7 +94,11 @@ class SpecSession:
 
     def demote(self) -> tuple[object, int]:
         """Hand the session over to plain decoding: one plain step commits the anchor; returns
-        (cache, next_token). One-way: the draft state is dropped."""
+        (cache, next_token). One-way: the draft state is dropped. Greedy sessions only: a
+        sampled session's stream depends on its own counters."""
+        if self.sampling is not None:
+            raise InputError("demote: sampled sessions stay speculative until they end (their random "
+                             "stream is the session's own)")
         if self.cache.pos + 1 > self.cache.max_ctx:
             raise InputError(f"demote: no room to commit the anchor (pos {self.cache.pos} + 1 > "
                              f"max_ctx {self.cache.max_ctx})")
@@ -96,12 +112,16 @@ class SpecSession:
     def _round(self, k: int) -> tuple[list[int], int]:
         model, m, inst = self.model, self.metrics, self.instruments
         with m.phase("draft"):
-            drafts = self._drafts(k)
+            drafts, q = self._drafts(k)
         rows = [self.anchor] + drafts
         with m.phase("verify"):
             logits, collapsed, ckpt = model.verify_rows(rows, self.cache, self.drafter.tap_layers)
         with m.phase("accept"):
-            j, bonus = greedy_accept(drafts, np.argmax(logits, axis=-1).tolist())
+            if self.sampling is None:
+                j, bonus = greedy_accept(drafts, np.argmax(logits, axis=-1).tolist())
+            else:
+                p_rows = np.stack([filtered_probs(row, self.sampling) for row in logits])
+                j, bonus = accept_walk(p_rows, drafts, q, self.streams)
         keep = j + 1
         with m.phase("roll"):
             if inst.disable_rollback:
@@ -116,15 +136,20 @@ class SpecSession:
         m.record(len(drafts), j)
         return drafts[:j] + [bonus], len(drafts)
 
-    def _drafts(self, k: int) -> list[int]:
-        prop = self.state.propose(k, None)
+    def _drafts(self, k: int):
+        """The round's drafts and their q (None = point mass), after the gates."""
+        prop = self.state.propose(k, self.draft_sampling)
         drafts = [int(t) for t in prop.tokens][:k]
+        q = prop.q
         vocab = self.model.cfg.vocab_size
         bad = [t for t in drafts if not 0 <= t < vocab]
         if bad:
             raise InputError(f"the draft source proposed token {bad[0]} outside the vocab 0..{vocab - 1}")
         if prop.confidences is not None and self.p_min > 0:
             drafts = drafts[:conf_keep(prop.confidences[:len(drafts)], self.p_min, self.pmin0)]
+        if q is not None:
+            q = q.truncate(len(drafts))
         if self.instruments.draft_override is not None:
             drafts = [int(self.instruments.draft_override(self.metrics.rounds, i, d)) for i, d in enumerate(drafts)]
-        return drafts
+            q = None  # forced drafts are point masses
+        return drafts, q

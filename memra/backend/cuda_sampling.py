@@ -1,0 +1,43 @@
+"""Sampling draws on the device: Philox4x32-10 streams and exponential races (philox.cu).
+
+The host twin lives in memra/spec/philox.py; both address a stream by (seed, counter, tag)
+and produce the same words, so a draw is the same token whichever backend makes it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import cupy as cp
+
+from memra.backend.cuda_runtime import BLOCK, launch
+from memra.spec.philox import MASK32, TAG_DRAW
+
+
+def _key(seed: int):
+    return np.uint32(seed & MASK32), np.uint32((seed >> 32) & MASK32)
+
+
+class SamplingOps:
+    def philox_block(self, ctr, key) -> np.ndarray:
+        """The raw 10-round bijection of one counter block (for known-answer tests)."""
+        out = cp.empty(4, cp.uint32)
+        launch("philox", "philox_block", (1,), (1,),
+               (cp.asarray(ctr, dtype=cp.uint32), cp.asarray(key, dtype=cp.uint32), out))
+        return cp.asnumpy(out)
+
+    def philox_uniforms(self, seed: int, counter: int, tag: int, n: int) -> np.ndarray:
+        out = cp.empty(n, cp.float64)
+        k0, k1 = _key(seed)
+        launch("philox", "philox_uniforms", ((n + BLOCK - 1) // BLOCK,), (BLOCK,),
+               (k0, k1, np.uint32(counter & MASK32), np.uint32(tag & MASK32), np.int64(n), out))
+        return cp.asnumpy(out)
+
+    def race_draw(self, probs, seed: int, counter: int, tag: int = TAG_DRAW) -> int:
+        """argmax_i p_i / E_i over the stream's exponentials: a draw from probs."""
+        p = cp.ascontiguousarray(cp.asarray(probs, dtype=cp.float64))
+        out = cp.empty(1, cp.int64)
+        k0, k1 = _key(seed)
+        launch("philox", "race_draw", (1,), (BLOCK,),
+               (p, np.int64(p.size), k0, k1, np.uint32(counter & MASK32), np.uint32(tag & MASK32), out))
+        return int(out.get()[0])

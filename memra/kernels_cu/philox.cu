@@ -1,0 +1,68 @@
+// Philox4x32-10 streams and exponential-race draws, word for word the host's memra/spec/philox.py.
+// Uniform i of stream (seed, counter, tag) = word i % 4 of philox(ctr = (i / 4, counter, tag, 0),
+// key = (seed lo, seed hi)), mapped to (w + 0.5) / 2^32. A draw from p is argmax_i p_i / E_i with
+// E_i = -log(u_i): token i wins with probability p_i; ties go to the lower index.
+#include "common.cuh"
+
+static __device__ __forceinline__ void philox10(unsigned c[4], unsigned k0, unsigned k1) {
+    for (int r = 0; r < 10; ++r) {
+        const unsigned long long p0 = 0xD2511F53ull * c[0];
+        const unsigned long long p1 = 0xCD9E8D57ull * c[2];
+        const unsigned n0 = (unsigned)(p1 >> 32) ^ c[1] ^ k0;
+        const unsigned n2 = (unsigned)(p0 >> 32) ^ c[3] ^ k1;
+        c[1] = (unsigned)p1;
+        c[3] = (unsigned)p0;
+        c[0] = n0;
+        c[2] = n2;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+}
+
+static __device__ __forceinline__ unsigned stream_word(long long i, unsigned k0, unsigned k1,
+                                                       unsigned counter, unsigned tag) {
+    unsigned c[4] = {(unsigned)(i >> 2), counter, tag, 0u};
+    philox10(c, k0, k1);
+    return c[i & 3];
+}
+
+extern "C" __global__ void philox_block(const unsigned* ctr, const unsigned* key, unsigned* out) {
+    unsigned c[4] = {ctr[0], ctr[1], ctr[2], ctr[3]};
+    philox10(c, key[0], key[1]);
+    for (int j = 0; j < 4; ++j) out[j] = c[j];
+}
+
+extern "C" __global__ void philox_uniforms(unsigned k0, unsigned k1, unsigned counter, unsigned tag,
+                                           long long n, double* out) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ((double)stream_word(i, k0, k1, counter, tag) + 0.5) / 4294967296.0;
+}
+
+// One block of MEMRA_BLOCK threads; thread t scans i = t, t + MEMRA_BLOCK, ... then a fixed tree.
+extern "C" __global__ void race_draw(const double* p, long long n, unsigned k0, unsigned k1,
+                                     unsigned counter, unsigned tag, long long* out) {
+    __shared__ double best[MEMRA_BLOCK];
+    __shared__ long long arg[MEMRA_BLOCK];
+    double b = -1.0;
+    long long a = -1;
+    for (long long i = threadIdx.x; i < n; i += MEMRA_BLOCK) {
+        const double u = ((double)stream_word(i, k0, k1, counter, tag) + 0.5) / 4294967296.0;
+        const double s = p[i] / -log(u);
+        if (s > b) { b = s; a = i; }
+    }
+    best[threadIdx.x] = b;
+    arg[threadIdx.x] = a;
+    __syncthreads();
+    for (int s = MEMRA_BLOCK / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            const double ob = best[threadIdx.x + s];
+            const long long oa = arg[threadIdx.x + s];
+            if (ob > best[threadIdx.x] || (ob == best[threadIdx.x] && oa >= 0 && oa < arg[threadIdx.x])) {
+                best[threadIdx.x] = ob;
+                arg[threadIdx.x] = oa;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = arg[0];
+}

@@ -1,0 +1,175 @@
+"""Sampled decoding, exact in distribution: the filter, the draws and the rejection walk.
+
+One filter (temperature, then top-k, then top-p, then min-p) defines the target's p, the
+draft's q whenever a draft was drawn from a filtered distribution, the bonus and the
+residual. Draws are exponential races over Philox uniforms on the session's `sctr`
+counter; accept tests use host uniforms on `uctr`. The walk accepts draft x_j while
+u * q_j(x_j) < p_j(x_j); the first rejection resamples norm(max(0, p_j - q_j)) (p_j itself
+if that is empty); a full accept draws the bonus from the last row. A point-mass draft
+(q = None: greedy MTP, n-gram) is the case q_j = 1 at x_j.
+
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from memra.errors import InputError
+from memra.spec.philox import host_u01
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0          # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise InputError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+        if not num(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (0 = off)")
+        if not num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not num(self.min_p) or not 0 <= self.min_p < 1:
+            bad("min_p", "must be in [0, 1)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            bad("seed", "must be an integer in [0, 2^64)")
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not num(getattr(self, name)):
+                bad(name, "must be a finite number")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def filtered_probs(logits, sp: SamplingParams) -> np.ndarray:
+    """The filtered distribution of one logits row (float64 [V], zeros outside the kept set)."""
+    z = np.asarray(logits, dtype=np.float64) / sp.temperature
+    order = np.lexsort((np.arange(z.size), -z))  # descending value, ascending index on ties
+    keep = np.zeros(z.size, dtype=bool)
+    ranked = order[: sp.top_k] if sp.top_k else order
+    keep[ranked] = True
+    p = np.where(keep, np.exp(z - z[order[0]]), 0.0)
+    p /= p.sum()
+    if sp.top_p < 1.0:
+        cum = np.cumsum(p[ranked])
+        cut = int(np.searchsorted(cum, sp.top_p * cum[-1])) + 1  # smallest prefix with mass >= top_p
+        keep[:] = False
+        keep[ranked[:cut]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    if sp.min_p > 0.0:
+        p = np.where(p >= sp.min_p * p.max(), p, 0.0)
+        p /= p.sum()
+    return p
+
+
+class SampleStreams:
+    """A session's randomness: draws on counter `sctr` (through the backend, so CUDA draws on
+    the device), accept uniforms on `uctr` (host). The counters only ever move forward."""
+
+    def __init__(self, backend, seed: int):
+        self.be, self.seed = backend, seed
+        self.sctr = 0
+        self.uctr = 0
+
+    def draw(self, probs: np.ndarray) -> int:
+        token = int(self.be.race_draw(probs, self.seed, self.sctr))
+        self.sctr += 1
+        return token
+
+    def accept_uniform(self) -> float:
+        u = host_u01(self.seed, self.uctr)
+        self.uctr += 1
+        return u
+
+
+@dataclass
+class DraftSampling:
+    """What a draft source gets for sampled drafts: the request's filter and the session's
+    draws (so the source's randomness is the session's, and q is what it drew from)."""
+
+    params: SamplingParams
+    streams: SampleStreams
+
+    def filter(self, logits) -> np.ndarray:
+        return filtered_probs(logits, self.params)
+
+    def draw(self, probs) -> int:
+        return self.streams.draw(probs)
+
+
+# ---- the draft's q -----------------------------------------------------------------------------
+
+@dataclass
+class DenseQ:
+    """Per-slot draft distributions over the full vocab (float64 [n, V])."""
+
+    rows: np.ndarray
+
+    def prob(self, j: int, token: int) -> float:
+        return float(self.rows[j, token])
+
+    def full(self, j: int, vocab: int) -> np.ndarray:
+        return self.rows[j]
+
+    def truncate(self, n: int) -> "DenseQ":
+        return DenseQ(self.rows[:n])
+
+
+@dataclass
+class SparseQ:
+    """Per-slot candidate sets: ids [n, K] with their conditional probabilities [n, K]."""
+
+    cand: np.ndarray
+    q_rows: np.ndarray
+
+    def prob(self, j: int, token: int) -> float:
+        return float(np.sum(self.q_rows[j][self.cand[j] == token]))
+
+    def full(self, j: int, vocab: int) -> np.ndarray:
+        row = np.zeros(vocab)
+        np.add.at(row, np.asarray(self.cand[j], dtype=np.int64), np.asarray(self.q_rows[j], dtype=np.float64))
+        return row
+
+    def truncate(self, n: int) -> "SparseQ":
+        return SparseQ(self.cand[:n], self.q_rows[:n])
+
+
+def point_mass_full(token: int, vocab: int) -> np.ndarray:
+    row = np.zeros(vocab)
+    row[token] = 1.0
+    return row
+
+
+def accept_walk(p_rows: np.ndarray, drafts: list[int], q, streams: SampleStreams) -> tuple[int, int]:
+    """Rejection walk over filtered target rows p_rows [len(drafts) + 1, V] -> (j, bonus)."""
+    vocab = p_rows.shape[1]
+    for j, x in enumerate(drafts):
+        qx = 1.0 if q is None else q.prob(j, x)
+        if streams.accept_uniform() * qx < p_rows[j, x]:
+            continue
+        q_full = point_mass_full(x, vocab) if q is None else q.full(j, vocab)
+        residual = np.maximum(p_rows[j] - q_full, 0.0)
+        total = residual.sum()
+        return j, streams.draw(residual / total if total > 0 else p_rows[j])
+    return len(drafts), streams.draw(p_rows[len(drafts)])

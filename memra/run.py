@@ -3,6 +3,7 @@
     python -m memra.run                                  # demo: the `small` preset fixture
     python -m memra.run --model DIR --prompt-ids 1,2,3 --max-new-tokens 32 --backend cuda
     python -m memra.run --draft native-mtp --num-draft-tokens 4   # speculative, same tokens
+    python -m memra.run --list-drafters                  # installed draft sources and their origin
 
 Token ids in, token ids out (plus the UTF-8 text when the vocab is byte-level, i.e. 256).
 Every refusal prints its message and exits with status 2, never a traceback.
@@ -30,8 +31,10 @@ def _parse_args(argv):
     ap.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     ap.add_argument("--prompt", help="prompt text, as UTF-8 bytes (byte-level vocabs only)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--draft", help="speculative draft source (native-mtp); default: plain greedy")
+    ap.add_argument("--draft", help="speculative draft source (see --list-drafters); default: plain greedy")
     ap.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, K (1..14)")
+    ap.add_argument("--list-drafters", action="store_true",
+                    help="print each draft source with where it came from (built-in or plugin) and exit")
     return ap.parse_args(argv)
 
 
@@ -61,9 +64,21 @@ def _prompt(args, vocab: int) -> list[int]:
     return [1, 2, 3, 4]
 
 
+def _list_drafters() -> None:
+    from memra.drafters.registry import draft_source_origins
+
+    origins = draft_source_origins()
+    width = max(map(len, origins), default=0)
+    for name, origin in origins.items():
+        print(f"{name:<{width}}  {origin}")
+
+
 def main(argv=None) -> int:
     args = _parse_args(argv)
     try:
+        if args.list_drafters:
+            _list_drafters()
+            return 0
         from memra import load_model
         from memra.generate import generate
 

@@ -4,6 +4,7 @@
     python -m memra.run --model DIR --prompt-ids 1,2,3 --max-new-tokens 32 --backend cuda
     python -m memra.run --draft native-mtp --num-draft-tokens 4   # speculative, same tokens
     python -m memra.run --list-drafters                  # installed draft sources and their origin
+    python -m memra.run --draft native-mtp --temperature 0.8 --top-p 0.95 --seed 1   # sampled, exact
 
 Token ids in, token ids out (plus the UTF-8 text when the vocab is byte-level, i.e. 256).
 Every refusal prints its message and exits with status 2, never a traceback.
@@ -33,6 +34,13 @@ def _parse_args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--draft", help="speculative draft source (see --list-drafters); default: plain greedy")
     ap.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per round, K (1..14)")
+    ap.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an option for the draft source (repeatable; VALUE parsed as JSON when it can be)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--list-drafters", action="store_true",
                     help="print each draft source with where it came from (built-in or plugin) and exit")
     return ap.parse_args(argv)
@@ -64,6 +72,28 @@ def _prompt(args, vocab: int) -> list[int]:
     return [1, 2, 3, 4]
 
 
+def _draft_options(pairs: list[str]) -> dict | None:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InputError(f"--draft-option takes KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options or None
+
+
+def _sampling(args):
+    from memra.spec.sampling import SamplingParams
+
+    if args.temperature == 0:
+        return None
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, seed=args.seed)
+
+
 def _list_drafters() -> None:
     from memra.drafters.registry import draft_source_origins
 
@@ -87,13 +117,15 @@ def main(argv=None) -> int:
         prompt = _prompt(args, model.cfg.vocab_size)
         t0 = time.perf_counter()
         result = generate(model, prompt, args.max_new_tokens, draft=args.draft,
-                          num_draft_tokens=args.num_draft_tokens, eos=model.cfg.eos_token_id)
+                          num_draft_tokens=args.num_draft_tokens, draft_options=_draft_options(args.draft_option),
+                          sampling=_sampling(args), eos=model.cfg.eos_token_id)
         seconds = time.perf_counter() - t0
     except MemraError as exc:
         print(f"memra: {exc}", file=sys.stderr)
         return 2
     tokens = result.tokens
-    record = {"model": path, "backend": model.be.name, "draft": args.draft, "prompt_ids": prompt,
+    record = {"model": path, "backend": model.be.name, "draft": args.draft, "temperature": args.temperature,
+              "prompt_ids": prompt,
               "tokens": tokens, "tokens_per_s": round(len(tokens) / seconds, 2) if seconds > 0 else None}
     if args.draft:
         record["stats"] = result.stats

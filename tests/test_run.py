@@ -60,3 +60,23 @@ def test_unknown_draft_source_and_bad_k_are_clear_errors(tmp_path, capsys):
     assert "unknown draft source" in capsys.readouterr().err
     assert main(base + ["--draft", "native-mtp", "--num-draft-tokens", "15"]) == 2
     assert "outside 1..=14" in capsys.readouterr().err
+
+
+def test_sampling_flags_reach_generate_and_are_reproducible(tmp_path, capsys):
+    args = ["--demo-dir", str(tmp_path), "--backend", "numpy", "--max-new-tokens", "6",
+            "--temperature", "0.8", "--top-p", "0.9", "--seed", "5"]
+    runs = []
+    for _ in range(2):
+        assert main(args + ["--draft", "native-mtp", "--num-draft-tokens", "2"]) == 0
+        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"])
+    assert runs[0] == runs[1] and len(runs[0]) == 6
+    assert main(args + ["--top-p", "1.5"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_draft_option_must_be_key_value(tmp_path, capsys):
+    base = ["--demo-dir", str(tmp_path), "--backend", "numpy", "--draft", "native-mtp"]
+    assert main(base + ["--draft-option", "novalue"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+    assert main(base + ["--draft-option", "bogus=1"]) == 2
+    assert "unknown options" in capsys.readouterr().err

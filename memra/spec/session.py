@@ -63,6 +63,7 @@ class SpecSession:
             self.draft_sampling = DraftSampling(self.sampling, self.streams)
             self.anchor = self.streams.draw(filtered_probs(logits, self.sampling))
         self.anchor_emitted = False
+        self.undelivered: list[int] = []  # committed by a burst that then failed: the next burst returns them
         self.done = False
         self.metrics = SpecMetrics()
         self.state = drafter.begin(SessionStart(model, prompt, self.anchor, collapsed, taps, max_ctx))
@@ -75,7 +76,7 @@ class SpecSession:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= bound:
             raise InputError(f"k={k!r} drafts per round is outside 1..={bound} (verify rows = k + 1 "
                              f"must stay <= {VERIFY_CAP}, and this draft source makes at most {bound})")
-        out: list[int] = []
+        out, self.undelivered = self.undelivered, []
         drafted = accepted = 0
         if not self.anchor_emitted:
             out.append(self.anchor)
@@ -85,7 +86,11 @@ class SpecSession:
             if self.cache.pos + k + 2 > self.cache.max_ctx:
                 self.done = True
                 break
-            tokens, n_drafted = self._round(k)
+            try:
+                tokens, n_drafted = self._round(k)
+            except Exception:
+                self.undelivered = out  # a refused round commits nothing; what came before is kept
+                raise
             drafted += n_drafted
             accepted += len(tokens) - 1
             out.extend(tokens)
@@ -99,6 +104,9 @@ class SpecSession:
         if self.sampling is not None:
             raise InputError("demote: sampled sessions stay speculative until they end (their random "
                              "stream is the session's own)")
+        if not self.anchor_emitted or self.undelivered:
+            raise InputError("demote: the session holds tokens not yet returned by burst(); call burst() "
+                             "before demoting so none is lost")
         if self.cache.pos + 1 > self.cache.max_ctx:
             raise InputError(f"demote: no room to commit the anchor (pos {self.cache.pos} + 1 > "
                              f"max_ctx {self.cache.max_ctx})")

@@ -11,6 +11,7 @@ import importlib
 from memra.drafters.hookspecs import hookimpl
 
 BUILTIN_SOURCES = (
+    ("dflash2", "memra.drafters.dflash2:DFlash2Source"),
     ("native-mtp", "memra.drafters.native_mtp:NativeMtpSource"),
 )
 

@@ -1,0 +1,68 @@
+"""Rotary position embedding for the drafter: plain NeoX RoPE or YaRN, at absolute positions.
+
+The frequencies follow transformers' `_compute_rope_parameters` / `_compute_yarn_parameters`
+(computed here in float64); YaRN's attention factor multiplies cos and sin, so it reaches both
+q and k, exactly as the HF rotary module applies it. Rotation is NeoX `rotate_half`: the first
+half of each head pairs with the second half.
+
+    inv = inv_freq(cfg.rope, cfg.head_dim)                 # float64 [hd/2]
+    cos, sin = cos_sin(inv, cfg.rope.mscale, positions)    # float32 [n, hd]
+    q = apply_rope(q, cos, sin)                            # q [n, heads, hd]
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def yarn_attention_factor(factor: float, mscale=None, mscale_all_dim=None) -> float:
+    """YaRN's cos/sin scaling: 0.1*ln(factor)+1, or the DeepSeek mscale ratio when both given."""
+    def get(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return float(get(factor, mscale) / get(factor, mscale_all_dim))
+    return float(get(factor))
+
+
+def _yarn_correction_range(rope, dim: int) -> tuple[float, float]:
+    def corr(rotations):
+        orig = rope.original_max_position_embeddings
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = corr(rope.beta_fast), corr(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def inv_freq(rope, head_dim: int) -> np.ndarray:
+    """float64 [head_dim/2] inverse frequencies (YaRN-blended when rope.type == "yarn")."""
+    exps = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    base = 1.0 / rope.theta ** exps
+    if rope.type != "yarn":
+        return base
+    low, high = _yarn_correction_range(rope, head_dim)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolation = 1.0 - ramp
+    return (base / rope.factor) * (1.0 - extrapolation) + base * extrapolation
+
+
+def cos_sin(inv: np.ndarray, mscale: float, positions) -> tuple[np.ndarray, np.ndarray]:
+    """Host float32 cos, sin [n, hd] for absolute `positions`, both scaled by mscale."""
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
+    angles = np.concatenate([angles, angles], axis=1)
+    return (np.cos(angles) * mscale).astype(np.float32), (np.sin(angles) * mscale).astype(np.float32)
+
+
+def apply_rope(x, cos, sin):
+    """x [n, heads, hd] (numpy or cupy) rotated with cos/sin [n, hd] of the same module."""
+    half = x.shape[-1] // 2
+    rotated = x.copy()
+    rotated[..., :half] = -x[..., half:]
+    rotated[..., half:] = x[..., :half]
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

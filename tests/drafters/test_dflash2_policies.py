@@ -1,0 +1,412 @@
+"""DFlash2 drafting policies, CPU-side: harvest conventions, the strategy census, the verify-window
+policies, the confidence head's dot, the accept prefix and the candidate selector walk.
+
+The E2E tape gate is blind to all of these (a wrong convention or a wrong window only moves
+acceptance, never the output), so each is pinned here as logic: a mutation back to the wrong
+harvest, a per-slot rule in place of survival, an off-by-one on the anchor or a silent fallback
+on an unknown option value fails by name.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memra.drafters.dflash2.config import dspark_strategy_census as strategy_census
+from memra.drafters.dflash2.harvest import Harvest, accept_prefix, harvest_from_name, resolve_harvest
+from memra.drafters.dflash2.heads import ConfidenceHead, MarkovHead
+from memra.drafters.dflash2.selector import Selector, softmax, top_candidates
+from memra.errors import ConfigError, InputError
+from memra.spec.window import (
+    CONFIDENCE, CONFIDENCE_SLOT, LADDER, VerifyWindow, WindowPolicy, confidence_vt, ladder_vt, resolve_window,
+    slot_confidence_vt,
+)
+
+B = 7  # a DSpark-class block size
+
+
+def logit(p: float) -> float:
+    """Pre-sigmoid score for a target probability."""
+    return math.log(p / (1.0 - p))
+
+
+# ---- harvest conventions -------------------------------------------------------------------------
+def test_dspark_strategy_requires_shifted_harvest():
+    h = Harvest.DSPARK
+    assert h.first_row == 0, "DSpark trains the anchor row for anchor+1: it is draft 1"
+    assert h.n_drafts(B) == B, "DSpark harvests block_size drafts; b-1 drops the best-trained slot"
+    for row in range(B):
+        assert h.trained_offset_of_row(row) == row + 1
+
+
+def test_dflash_strategy_keeps_mask_fill_harvest():
+    h = Harvest.DFLASH
+    assert h.first_row == 1, "DFlash drafts start at mask row 1 (the anchor row is untrained)"
+    assert h.n_drafts(B) == B - 1
+    for row in range(1, B):
+        assert h.trained_offset_of_row(row) == row
+
+
+@pytest.mark.parametrize("h", list(Harvest))
+def test_every_candidate_verifies_the_position_its_row_was_trained_for(h):
+    """Draft i (1-based, verified against the target's prediction for anchor+i) is read from
+    row first_row + i - 1, and that row must have been trained for offset i."""
+    for i in range(1, h.n_drafts(B) + 1):
+        row = h.first_row + i - 1
+        assert h.trained_offset_of_row(row) == i, f"{h}: draft {i} rides row {row}"
+
+
+def test_harvest_names_parse_and_unknown_values_refuse():
+    assert harvest_from_name("dspark") is Harvest.DSPARK
+    assert harvest_from_name("dflash") is Harvest.DFLASH
+    assert harvest_from_name("mask-fill") is None
+    assert resolve_harvest("dspark", False) is Harvest.DSPARK
+    assert resolve_harvest("dflash", True) is Harvest.DFLASH
+    for bad in ("shifted", "DSPARK", 1):
+        with pytest.raises(InputError, match="harvest"):
+            resolve_harvest(bad, True)
+
+
+def test_ratified_default_harvest_is_strategy_keyed():
+    assert resolve_harvest(None, True) is Harvest.DSPARK, "a DSpark-strategy checkpoint harvests shifted"
+    assert resolve_harvest(None, False) is Harvest.DFLASH
+    assert resolve_harvest("", False) is Harvest.DFLASH
+    # an explicit value overrides the census in both directions
+    assert resolve_harvest("dflash", True) is Harvest.DFLASH
+    assert resolve_harvest("dspark", False) is Harvest.DSPARK
+    with pytest.raises(InputError):
+        resolve_harvest("shifted", True)
+
+
+def test_strategy_census_reads_the_checkpoint_config():
+    both = {"architectures": ["Qwen3DSparkModel"], "block_size": 7,
+            "dflash_config": {"projector_type": "dspark", "markov_rank": 256}}
+    assert strategy_census(both)
+    assert strategy_census({"architectures": ["Qwen3DSparkModel"]})
+    assert strategy_census({"dflash_config": {"projector_type": "dspark"}})
+    assert not strategy_census({"architectures": ["Qwen3DFlashModel"], "dflash_config": {"attention_mode": "gqa"}})
+    assert not strategy_census({})
+
+
+def test_dspark_trained_rows_through_mask_fill_harvest_accept_nothing():
+    """A drafter whose row r argmaxes to BASE + (its DSpark-trained offset), a target predicting
+    BASE + j for anchor+j: the shifted harvest accepts the whole block, the mask-fill harvest
+    of the same drafter accepts nothing (every slot one position late)."""
+    base = 1000
+    vam = [base + j for j in range(1, B + 2)]
+    row_argmax = lambda r: base + Harvest.DSPARK.trained_offset_of_row(r)
+
+    def candidates(h):
+        return [base] + [row_argmax(h.first_row + i - 1) for i in range(1, h.n_drafts(B) + 1)]
+
+    vt = Harvest.DSPARK.n_drafts(B) + 1
+    assert accept_prefix(candidates(Harvest.DSPARK), vam, vt) == vt - 1
+    vt_wrong = Harvest.DFLASH.n_drafts(B) + 1
+    assert accept_prefix(candidates(Harvest.DFLASH), vam, vt_wrong) == 0
+
+
+def test_accept_prefix_stops_at_the_first_miss_and_at_the_window():
+    cand = [9, 1, 2, 3, 4]
+    assert accept_prefix(cand, [1, 2, 3, 4, 5], 5) == 4
+    assert accept_prefix(cand, [1, 2, 7, 4, 5], 5) == 2
+    assert accept_prefix(cand, [0, 2, 3, 4, 5], 5) == 0
+    assert accept_prefix(cand, [1, 2, 3, 4, 5], 3) == 2, "only vt-1 drafts are verified"
+    assert accept_prefix(cand, [1, 2, 3, 4, 5], 1) == 0
+
+
+# ---- verify-window policies ----------------------------------------------------------------------
+SURVIVAL_RAWS = [logit(p) for p in (0.9, 0.8, 0.9, 0.9, 0.9, 0.9, 0.9)]
+
+
+def test_confidence_vt_is_cumprod_survival_not_per_slot_threshold():
+    # survival 0.9, .72, .648, .583, .525, then .472 < 0.5: 5 drafts + the anchor
+    assert confidence_vt(SURVIVAL_RAWS, 0.5, 8) == 6
+    assert confidence_vt(SURVIVAL_RAWS, 0.7, 8) == 3
+    assert confidence_vt(SURVIVAL_RAWS, 0.05, 8) == 8
+
+
+def test_slot_arm_truncates_at_first_low_confidence_slot():
+    assert slot_confidence_vt(SURVIVAL_RAWS, 0.5, 8) == 8, "every slot clears 0.5 on its own"
+    assert confidence_vt(SURVIVAL_RAWS, 0.5, 8) == 6, "the two stopping statistics stay distinct"
+    tail = [logit(p) for p in (0.9, 0.9, 0.3, 0.9, 0.9, 0.9, 0.9)]
+    assert slot_confidence_vt(tail, 0.5, 8) == 3, "a low slot cuts the confident slots behind it"
+    assert slot_confidence_vt(tail, 0.95, 8) == 2, "floor"
+
+
+def test_confidence_vt_floor_and_cap():
+    cold = [logit(0.1)] * 3
+    assert confidence_vt(cold, 0.5, 8) == 2, "a hopeless round still verifies one draft"
+    assert slot_confidence_vt(cold, 0.5, 8) == 2
+    hot = [logit(0.99)] * 7
+    assert confidence_vt(hot, 0.5, 5) == 5, "vt_cap binds"
+    assert confidence_vt(hot, 0.5, 8) == 8
+    assert slot_confidence_vt(hot, 0.5, 5) == 5
+    assert confidence_vt([], 0.5, 8) == 2
+    assert slot_confidence_vt([], 0.5, 8) == 2
+
+
+def test_ladder_climbs_one_past_the_accepted_run_and_pins_without_adapt():
+    assert [ladder_vt(m, 8) for m in range(8)] == [3, 3, 4, 5, 6, 7, 8, 8]
+    assert ladder_vt(0, 2) == 2, "the cap wins over the ladder floor"
+    w = VerifyWindow(WindowPolicy(LADDER), vt_cap=8)
+    assert w.size() == 8, "the ladder starts at the cap"
+    w.after_round(1)
+    assert w.size() == 3
+    w.after_round(2)
+    assert w.size() == 4
+    pinned = VerifyWindow(WindowPolicy(LADDER, adapt=False), vt_cap=6)
+    pinned.after_round(0)
+    assert pinned.size() == 6, "adapt=False pins vt at the cap"
+
+
+def test_confidence_window_resizes_every_round_and_needs_scores():
+    w = VerifyWindow(WindowPolicy(CONFIDENCE_SLOT, tau=0.5), vt_cap=8)
+    assert w.size(SURVIVAL_RAWS) == 8
+    w.after_round(0)
+    assert w.size([logit(0.1)] * 7) == 2
+    with pytest.raises(InputError, match="confidence scores"):
+        w.size(None)
+
+
+def test_ratified_default_window_is_confidence_slot_tau_half():
+    assert resolve_window(None, None, None, True) == WindowPolicy(CONFIDENCE_SLOT, tau=0.5)
+    assert resolve_window(None, "0.35", None, True) == WindowPolicy(CONFIDENCE_SLOT, tau=0.35)
+    with pytest.raises(InputError, match="tau"):
+        resolve_window(None, "nan-ish", None, True)
+    assert resolve_window(None, None, None, False) == WindowPolicy(LADDER), "no head, nothing to schedule with"
+    assert resolve_window(None, None, False, True) == WindowPolicy(LADDER, adapt=False), \
+        "adapt=False is an explicit fixed-window request"
+    assert resolve_window("ladder", None, None, True) == WindowPolicy(LADDER)
+    assert resolve_window("confidence", 0.35, None, True) == WindowPolicy(CONFIDENCE, tau=0.35)
+    with pytest.raises(InputError, match="contradictory"):
+        resolve_window("confidence-slot", None, False, True)
+
+
+def test_window_options_parse_and_refuse():
+    assert resolve_window(None) == WindowPolicy(LADDER)
+    assert resolve_window("") == WindowPolicy(LADDER)
+    assert resolve_window("ladder", None, False) == WindowPolicy(LADDER, adapt=False)
+    assert resolve_window("confidence") == WindowPolicy(CONFIDENCE, tau=0.5)
+    assert resolve_window("confidence", 0.35, True) == WindowPolicy(CONFIDENCE, tau=0.35)
+    assert resolve_window("confidence-slot", 0.6) == WindowPolicy(CONFIDENCE_SLOT, tau=0.6)
+    for mode in (CONFIDENCE, CONFIDENCE_SLOT):
+        with pytest.raises(InputError, match="contradictory"):
+            resolve_window(mode, None, False)
+    with pytest.raises(InputError, match="not a verify-window policy"):
+        resolve_window("static")
+    for bad in (0, 1, 1.5, -0.1, "nan", float("nan"), "0", "1", True, "x"):
+        with pytest.raises(InputError, match=r"\(0, 1\)"):
+            resolve_window("confidence", bad)
+    with pytest.raises(InputError, match="adapt"):
+        resolve_window("ladder", None, "0")
+
+
+raws_st = st.lists(st.floats(-6, 6, allow_nan=False), max_size=10)
+tau_st = st.floats(0.01, 0.99)
+cap_st = st.integers(2, 12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(raws_st, tau_st, cap_st)
+def test_windows_stay_inside_floor_and_cap(raws, tau, cap):
+    for size in (confidence_vt, slot_confidence_vt):
+        assert 2 <= size(raws, tau, cap) <= cap
+
+
+@settings(max_examples=200, deadline=None)
+@given(raws_st, tau_st, cap_st)
+def test_survival_keeps_no_more_than_the_per_slot_rule(raws, tau, cap):
+    """Survival through slot k is at most each slot's own sigmoid, so whatever survival keeps,
+    every slot in it clears tau on its own too."""
+    assert confidence_vt(raws, tau, cap) <= slot_confidence_vt(raws, tau, cap)
+
+
+@settings(max_examples=200, deadline=None)
+@given(raws_st, tau_st, tau_st, cap_st)
+def test_windows_are_monotone_non_increasing_in_tau(raws, t1, t2, cap):
+    lo, hi = sorted((t1, t2))
+    for size in (confidence_vt, slot_confidence_vt):
+        assert size(raws, hi, cap) <= size(raws, lo, cap)
+
+
+@settings(max_examples=200, deadline=None)
+@given(raws_st, raws_st, tau_st)
+def test_windows_are_prefix_decisions(raws, tail, tau):
+    """The window reads slots in order and stops at the first failure: what lies after the stop
+    cannot change it, and cutting the scores shorter keeps min(kept, length)."""
+    cap = 64
+    for size in (confidence_vt, slot_confidence_vt):
+        vt = size(raws, tau, cap)
+        if vt - 1 < len(raws):      # stopped inside the scores
+            assert size(raws + tail, tau, cap) == vt
+        for n in range(len(raws) + 1):
+            assert size(raws[:n], tau, cap) == min(vt - 1, max(n, 1)) + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(raws_st, tau_st)
+def test_slot_window_is_the_longest_prefix_clearing_tau(raws, tau):
+    vt = slot_confidence_vt(raws, tau, 64)
+    probs = [1 / (1 + math.exp(-r)) for r in raws]
+    n = next((i for i, p in enumerate(probs) if p < tau), len(probs))
+    assert vt == max(n, 1) + 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 20), cap_st)
+def test_ladder_stays_inside_its_band(m, cap):
+    vt = ladder_vt(m, cap)
+    assert min(3, cap) <= vt <= cap
+    assert vt == cap or vt == max(m + 2, 3)
+
+
+# ---- confidence head -----------------------------------------------------------------------------
+def test_raw_score_matches_the_dot():
+    head = ConfidenceHead([0.5, -1.0, 2.0, 0.25, -0.5], 0.125, with_markov=True)
+    hidden, emb = np.array([1.0, 2.0, 3.0]), np.array([4.0, 8.0])
+    assert head.raw_score(hidden, emb) == 0.125 + 0.5 - 2.0 + 6.0 + 1.0 - 4.0
+    plain = ConfidenceHead([0.5, -1.0, 2.0], -0.25, with_markov=False)
+    assert plain.raw_score(hidden) == -0.25 + 0.5 - 2.0 + 6.0
+
+
+def test_raw_score_refuses_a_missing_embedding_or_a_shape_mismatch():
+    head = ConfidenceHead([0.5, -1.0, 2.0, 0.25, -0.5], 0.125, with_markov=True)
+    with pytest.raises(InputError, match="embedding"):
+        head.raw_score(np.ones(3))
+    with pytest.raises(ConfigError, match="expects 5 inputs"):
+        head.raw_score(np.ones(3), np.ones(3))
+
+
+def test_markov_bias_is_w2_times_the_previous_tokens_w1_row():
+    rng = np.random.default_rng(0)
+    w1, w2 = rng.standard_normal((11, 3)), rng.standard_normal((11, 3))
+    head = MarkovHead(w1, w2)
+    np.testing.assert_allclose(head.bias(4), w2 @ w1[4])
+    np.testing.assert_array_equal(head.embeddings([4, 0]), w1[[4, 0]])
+    with pytest.raises(ConfigError, match="vocab, rank"):
+        MarkovHead(w1, w2[:, :2])
+
+
+# ---- candidate selector --------------------------------------------------------------------------
+def test_top_candidates_sort_by_value_and_break_ties_to_the_lower_id():
+    row = np.array([0.5, 2.0, 1.0, 2.0, 1.0, -3.0, 1.0])
+    vals, ids = top_candidates(row, 4)
+    assert ids.tolist() == [1, 3, 2, 4]
+    assert vals.tolist() == [2.0, 2.0, 1.0, 1.0]
+    assert top_candidates(row, 99)[1].tolist() == [1, 3, 2, 4, 6, 0, 5]
+
+
+def _selector(rng, v, h, r, k, zero=None):
+    proj, pred, succ = rng.standard_normal((r, h)), rng.standard_normal((v, r)), rng.standard_normal((v, r))
+    if zero == "P":
+        pred[:] = 0
+    elif zero == "S":
+        succ[:] = 0
+    return Selector(proj, pred, succ, k)
+
+
+def test_greedy_walk_scores_match_the_formula():
+    rng = np.random.default_rng(1)
+    v, h, r, k, n, anchor = 20, 6, 3, 5, 4, 7
+    sel = _selector(rng, v, h, r, k)
+    logits, hidden = rng.standard_normal((n, v)), rng.standard_normal((n, h))
+    walk = sel.walk(logits, hidden, anchor)
+    pred = anchor
+    for i in range(n):
+        cand = np.lexsort((np.arange(v), -logits[i]))[:k]
+        z = sel.hidden_proj @ hidden[i]
+        score = np.array([logits[i, b] + sum(sel.pred[pred, q] * z[q] * sel.succ[b, q] for q in range(r))
+                          for b in cand])
+        j = int(np.argmax(score))
+        assert walk.q.cand[i].tolist() == cand.tolist()
+        assert walk.path[i] == cand[j]
+        assert walk.confidences[i] == pytest.approx(softmax(score)[j])
+        assert walk.q.q_rows[i].tolist() == [1.0 if b == j else 0.0 for b in range(k)], "greedy q is one-hot"
+        pred = walk.path[i]
+
+
+def test_path_confidence_is_the_realized_transition_not_the_lattice_max():
+    """Row 1's best transition comes from a predecessor the walk did not take: the recorded
+    confidence is the realized path's, and it differs from the max over predecessors."""
+    _v, r = 4, 1
+    proj = np.ones((r, 1))
+    pred = np.array([[0.0], [0.0], [10.0], [0.0]])    # only token 2 as predecessor couples
+    succ = np.array([[0.0], [0.0], [0.0], [1.0]])     # ... toward token 3
+    sel = Selector(proj, pred, succ, top_k=4)
+    logits = np.array([[0.0, 3.0, 2.9, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    walk = sel.walk(logits, np.ones((2, 1)), anchor=0)
+    assert walk.path[0] == 1, "row 0 takes token 1; token 2 (the strong predecessor) is not realized"
+    realized = walk.confidences[1]
+    lattice_max = max(softmax(sel.scores(top_candidates(logits[1], 4)[0], top_candidates(logits[1], 4)[1],
+                                         np.ones(1), p)).max() for p in top_candidates(logits[0], 4)[1])
+    assert realized < lattice_max - 0.1
+
+
+def test_sampled_walk_inverts_the_cdf_and_records_the_conditional_q():
+    rng = np.random.default_rng(2)
+    v, h, r, k, n, anchor, temp = 16, 5, 2, 4, 3, 3, 0.7
+    sel = _selector(rng, v, h, r, k)
+    logits, hidden = rng.standard_normal((n, v)), rng.standard_normal((n, h))
+    u = [0.0, 0.999999, 0.5]
+    walk = sel.walk(logits, hidden, anchor, uniforms=u, temperature=temp)
+    z = sel.gate(hidden)
+    pred = anchor
+    for i in range(n):
+        vals, cand = top_candidates(logits[i], k)
+        q = softmax(sel.scores(vals, cand, z[i], pred) / temp)
+        np.testing.assert_allclose(walk.q.q_rows[i], q, rtol=1e-12)
+        cdf = np.cumsum(q)
+        idx = min(int(np.sum(cdf < u[i])), k - 1)
+        assert walk.path[i] == cand[idx]
+        pred = walk.path[i]
+    assert walk.path[0] == walk.q.cand[0, 0], "u = 0 picks the first candidate"
+    with pytest.raises(InputError, match="uniforms"):
+        sel.walk(logits, hidden, anchor, uniforms=[0.5], temperature=temp)
+    with pytest.raises(InputError, match="temperature"):
+        sel.walk(logits, hidden, anchor, uniforms=u, temperature=0.0)
+
+
+def test_row_bias_sees_the_realized_predecessor_chain():
+    rng = np.random.default_rng(3)
+    sel = _selector(rng, 12, 4, 2, 3)
+    seen = []
+
+    def bias(i, prev):
+        seen.append((i, prev))
+        return np.zeros(12)
+
+    walk = sel.walk(rng.standard_normal((4, 12)), rng.standard_normal((4, 4)), 5, row_bias=bias)
+    assert seen == list(enumerate([5] + walk.path[:-1]))
+
+
+def test_selector_refuses_a_partial_or_misshaped_head():
+    with pytest.raises(ConfigError, match="come together"):
+        Selector(np.ones((2, 3)), None, np.ones((5, 2)), 4)
+    with pytest.raises(ConfigError, match="ranks disagree"):
+        Selector(np.ones((2, 3)), np.ones((5, 3)), np.ones((5, 2)), 4)
+    with pytest.raises(ConfigError, match="selector_top_k"):
+        Selector(None, None, None, 0)
+
+
+walk_case = st.tuples(st.integers(2, 24), st.integers(1, 6), st.integers(1, 4), st.integers(1, 4),
+                      st.integers(1, 30), st.integers(0, 2**32 - 1))
+
+
+@settings(max_examples=120, deadline=None)
+@given(walk_case, st.sampled_from(["P", "S", None]))
+def test_greedy_walk_picks_candidates_of_its_rows_and_decouples_without_codebooks(case, zero):
+    v, n, h, r, k, seed = case
+    rng = np.random.default_rng(seed)
+    # small integer logits make ties common: the tie rule is part of the contract
+    logits = rng.integers(-3, 4, (n, v)).astype(np.float64)
+    hidden = rng.standard_normal((n, h))
+    anchor = int(rng.integers(0, v))
+    walk = _selector(rng, v, h, r, k, zero).walk(logits, hidden, anchor)
+    assert all(walk.path[i] in walk.q.cand[i] for i in range(n))
+    assert all(0 < c <= 1 for c in walk.confidences)
+    if zero is not None:
+        assert walk.path == [int(np.argmax(row)) for row in logits], "no coupling: the per-row argmax"
+    plain = Selector(None, None, None, k).walk(logits, hidden, anchor)
+    assert plain.path == [int(np.argmax(row)) for row in logits]

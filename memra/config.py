@@ -410,21 +410,27 @@ def _validate(cfg: ModelConfig, text: dict) -> None:
             cfg.indexer_source(i)  # raises when no full DSA layer precedes it
 
 
-def load_config(path: str | os.PathLike) -> ModelConfig:
-    """Read a checkpoint directory's config.json (or the file itself)."""
+def read_config_json(path, what: str, missing_error=ConfigError) -> dict:
+    """The parsed config.json of a directory (or the file itself); `what` names the directory
+    kind in the error ("a checkpoint directory"); a missing or unreadable file raises
+    `missing_error`, a malformed one ConfigError."""
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
+            return json.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"no config.json at {path}: point at a checkpoint directory") from None
+        raise missing_error(f"no config.json at {path}: point at {what}") from None
     except OSError as exc:
-        raise ConfigError(f"cannot read {path} ({exc.strerror}): point at a checkpoint directory") from None
+        raise missing_error(f"cannot read {path} ({exc.strerror}): point at {what}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc}); re-export the checkpoint config") from None
-    return ModelConfig.from_dict(raw)
+        raise ConfigError(f"{path} is not valid JSON ({exc}); re-export the config") from None
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """Read a checkpoint directory's config.json (or the file itself)."""
+    return ModelConfig.from_dict(read_config_json(path, "a checkpoint directory"))
 
 
 from memra.presets import preset  # noqa: E402, F401  (re-exported: config.preset is public API)

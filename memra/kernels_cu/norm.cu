@@ -79,16 +79,23 @@ extern "C" __global__ void l2norm_rows(const float* x, float* y, int n, float ep
 }
 
 // exp(x - max) / sum(exp(x - max)); the exponentials are recomputed (same inputs, same bits).
-extern "C" __global__ void softmax_rows(const float* x, float* y, int n) {
-    __shared__ float shm[MEMRA_BLOCK];
-    const float* xr = row_in(x, n);
-    float* yr = row_out(y, n);
+// The row's max and sum(exp(x - max)), both in the fixed per-thread-stride + tree order.
+static __device__ void row_max_and_expsum(const float* xr, int n, float* shm, float* m_out, float* s_out) {
     float m = __int_as_float(0xff800000);  // -inf
     for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) m = fmaxf(m, xr[k]);
     m = block_max(m, shm);
     float s = 0.0f;
     for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) s = s + expf(xr[k] - m);
-    s = block_sum(s, shm);
+    *m_out = m;
+    *s_out = block_sum(s, shm);
+}
+
+extern "C" __global__ void softmax_rows(const float* x, float* y, int n) {
+    __shared__ float shm[MEMRA_BLOCK];
+    const float* xr = row_in(x, n);
+    float* yr = row_out(y, n);
+    float m, s;
+    row_max_and_expsum(xr, n, shm, &m, &s);
     for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) yr[k] = expf(xr[k] - m) / s;
 }
 
@@ -96,12 +103,9 @@ extern "C" __global__ void log_softmax_rows(const float* x, float* y, int n) {
     __shared__ float shm[MEMRA_BLOCK];
     const float* xr = row_in(x, n);
     float* yr = row_out(y, n);
-    float m = __int_as_float(0xff800000);  // -inf
-    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) m = fmaxf(m, xr[k]);
-    m = block_max(m, shm);
-    float s = 0.0f;
-    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) s = s + expf(xr[k] - m);
-    const float lse = logf(block_sum(s, shm));
+    float m, s;
+    row_max_and_expsum(xr, n, shm, &m, &s);
+    const float lse = logf(s);
     for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) yr[k] = (xr[k] - m) - lse;
 }
 

@@ -19,19 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from tests.gpu import cupy_or_skip
+
 pytestmark = pytest.mark.gpu
-cp = pytest.importorskip("cupy")
-
-
-def _usable_devices() -> int:
-    try:
-        return cp.cuda.runtime.getDeviceCount()
-    except Exception:  # no driver, no device: the whole file is skipped, not errored
-        return 0
-
-
-if _usable_devices() == 0:
-    pytest.skip("no usable CUDA device", allow_module_level=True)
+cp = cupy_or_skip()
 
 from memra.backend.cuda_dense import DenseOps
 from memra.backend.numpy_ref import NumpyBackend

@@ -24,14 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from tests.gpu import cupy_or_skip
+
 pytestmark = pytest.mark.gpu
-cp = pytest.importorskip("cupy")
-try:
-    _DEVICES = cp.cuda.runtime.getDeviceCount()
-except cp.cuda.runtime.CUDARuntimeError:  # no driver / no device: skipped, not errored
-    _DEVICES = 0
-if _DEVICES == 0:
-    pytest.skip("no usable CUDA device", allow_module_level=True)
+cp = cupy_or_skip()
 
 from memra.backend.cuda_recurrent import RecurrentOps
 from memra.backend.numpy_ref import NumpyBackend

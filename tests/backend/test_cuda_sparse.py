@@ -17,19 +17,10 @@ import zlib
 import numpy as np
 import pytest
 
+from tests.gpu import cupy_or_skip
+
 pytestmark = pytest.mark.gpu
-cp = pytest.importorskip("cupy")
-
-
-def _gpu_usable() -> bool:
-    try:
-        return cp.cuda.runtime.getDeviceCount() > 0
-    except (RuntimeError, OSError, ImportError):  # CUDARuntimeError is a RuntimeError; no driver
-        return False
-
-
-if not _gpu_usable():
-    pytest.skip("no usable CUDA device", allow_module_level=True)
+cp = cupy_or_skip()
 
 from memra.backend.cuda_sparse import SparseOps
 from memra.backend.numpy_ref import NumpyBackend

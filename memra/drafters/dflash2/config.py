@@ -17,13 +17,12 @@ expect a bidirectional block and a config missing the key is usually an export s
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import warnings
 from dataclasses import dataclass, field
 
 from memra.drafters.dflash2.rope import yarn_attention_factor
+from memra.config import read_config_json
 from memra.errors import CheckpointError, ConfigError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -246,16 +245,4 @@ def parse_dflash_config(raw: dict) -> DflashConfig:
 
 def load_dflash_config(path) -> DflashConfig:
     """Read a drafter directory's config.json (or the file itself)."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"no config.json at {path}: point at a DFlash2 drafter directory") from None
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {path} ({exc.strerror}): point at a DFlash2 drafter directory") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc}); re-export the drafter config") from None
-    return parse_dflash_config(raw)
+    return parse_dflash_config(read_config_json(path, "a DFlash2 drafter directory", CheckpointError))

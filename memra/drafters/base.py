@@ -28,7 +28,10 @@ class Proposal:
 
     tokens: list[int]
     q: object = None                         # the draft distribution (sampled accept); None = point mass
-    confidences: list[float] | None = None   # per-slot confidence in the pick (the p_min gate)
+    # Per-slot confidence for the p_min gate. It must be fixed BEFORE slot j's token is drawn
+    # (e.g. the largest probability of the slot's distribution), never the drawn token's own
+    # probability: a gate that cuts a sampled draft on its own q(x) breaks exactness.
+    confidences: list[float] | None = None
 
 
 @dataclass

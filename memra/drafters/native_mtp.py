@@ -99,8 +99,8 @@ class NativeMtpState:
                 confidences.append(float(z[rank] / z.sum()))
             else:
                 probs = sampling.filter(logits)
+                confidences.append(float(probs.max()))  # before the draw: see Proposal.confidences
                 rank = sampling.draw(probs)
-                confidences.append(float(probs[rank]))
                 q_rows.append(self._full_vocab(probs))
             tok = rank if d.d2t is None or d.skip_d2t_remap else int(d.d2t[rank])
             tokens.append(tok)

@@ -22,6 +22,9 @@ from memra.errors import InputError
 from memra.spec.philox import host_u01
 
 
+MIN_TEMPERATURE = 1e-6  # below it logits / T overflows: use 0 for greedy
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -38,8 +41,8 @@ class SamplingParams:
             raise InputError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
         num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
-        if not num(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not num(self.temperature) or not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
+            bad("temperature", f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0 (0 = off)")
         if not num(self.top_p) or not 0 < self.top_p <= 1:

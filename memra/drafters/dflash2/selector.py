@@ -68,7 +68,7 @@ def softmax(x: np.ndarray) -> np.ndarray:
 @dataclass
 class Walk:
     path: list[int]            # chosen token ids, one per walked row
-    confidences: list[float]   # softmax(score_i(pred_i, .))[chosen] at T = 1
+    confidences: list[float]   # max softmax(score_i(pred_i, .)) at T = 1: the chosen one's when greedy
     q: SparseQ                 # candidates [n, K] and the q row each pick was drawn from [n, K]
 
 
@@ -140,7 +140,7 @@ class Selector:
             else:
                 q_rows[i] = softmax(score / temperature)
                 idx = min(int(np.count_nonzero(np.cumsum(q_rows[i]) < uniforms[i])), k - 1)
-            confidences.append(float(softmax(score)[idx]))
+            confidences.append(float(softmax(score).max()))  # before the draw: see Proposal.confidences
             pred = int(cand[i, idx])
             path.append(pred)
         return Walk(path, confidences, SparseQ(cand, q_rows))

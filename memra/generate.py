@@ -1,13 +1,15 @@
 """Generation: plain greedy decoding (the reference tape) and speculative greedy decoding.
 
     result = generate(model, prompt_ids, 64, draft="native-mtp", num_draft_tokens=4)
-    result.tokens, result.stats["mean_acceptance_length"]
+    result.tokens, result.stats["mean_acceptance_length"], result.stats["decode_s"]
 
-With any draft source the tokens equal the plain greedy tokens byte for byte.
+With any draft source the tokens equal the plain greedy tokens byte for byte. `on_tokens`
+streams: it is called as tokens are committed, which never changes which tokens come.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,72 +31,122 @@ def greedy(model, prompt_ids, max_new_tokens: int, eos_ids=(), max_ctx: int | No
     Stops after max_new_tokens or at the first token in eos_ids (which is kept).
     """
     _check_count(max_new_tokens)
-    prompt = list(prompt_ids)
-    out: list[int] = []
-    if max_new_tokens == 0:
-        return out
-    cache = model.new_cache(max_ctx or len(prompt) + max_new_tokens)
-    logits = model.prime(prompt, cache)
-    while True:
-        token = int(np.argmax(logits))
-        out.append(token)
-        if token in eos_ids or len(out) == max_new_tokens:
-            return out
-        logits = model.decode_step(token, cache)
+    return _plain(model, prompt_ids, max_new_tokens, _argmax, eos_ids, max_ctx)[0]
 
 
 def sampled(model, prompt_ids, max_new_tokens: int, sampling: SamplingParams, eos_ids=()) -> list[int]:
     """Plain sampled decoding: each token drawn from the filtered target distribution, on the
     same Philox draw stream (counter sctr) a speculative session uses."""
     _check_count(max_new_tokens)
-    if sampling.penalised:
-        raise InputError("repetition/presence/frequency penalties are not supported: drop them")
-    prompt = list(prompt_ids)
-    out: list[int] = []
-    if max_new_tokens == 0:
-        return out
-    streams = SampleStreams(model.be, sampling.seed)
-    cache = model.new_cache(len(prompt) + max_new_tokens)
-    logits = model.prime(prompt, cache)
-    while True:
-        token = streams.draw(filtered_probs(logits, sampling))
-        out.append(token)
-        if token in eos_ids or len(out) == max_new_tokens:
-            return out
-        logits = model.decode_step(token, cache)
+    return _plain(model, prompt_ids, max_new_tokens, _sampler(model, sampling), eos_ids)[0]
 
 
 def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, num_draft_tokens: int = 4,
              draft_options: dict | None = None, sampling=None, eos=(), p_min: float = 0.0,
-             pmin0: bool = False) -> GenerateResult:
+             pmin0: bool = False, on_tokens=None) -> GenerateResult:
     """Generation, plain (draft=None) or speculative through a named draft source; greedy
-    (sampling None or temperature 0) or sampled (exact in distribution)."""
+    (sampling None or temperature 0) or sampled (exact in distribution).
+
+    on_tokens(new_ids, metrics), if given, is called with each run of newly committed tokens
+    (already clipped to max_new_tokens and the first EOS) and the live SpecMetrics (zero
+    counts when plain). stats adds prefill_s (prompt to first token, draft warm-up included)
+    and decode_s (the rest; time spent inside on_tokens is left out of both).
+    """
     from memra.drafters.registry import load_drafter
     from memra.spec.session import SpecSession
 
     _check_count(max_new_tokens)
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise InputError("sampling must be a memra.SamplingParams (or None for greedy)")
+    if sampling is not None and sampling.penalised:
+        raise InputError("repetition/presence/frequency penalties are not supported (greedy or sampled): "
+                         "drop them")
     if sampling is not None and sampling.greedy:
         sampling = None
     eos = tuple(int(e) for e in eos)
     if draft is None:
-        tokens = greedy(model, prompt_ids, max_new_tokens, eos) if sampling is None else \
-            sampled(model, prompt_ids, max_new_tokens, sampling, eos)
-        return GenerateResult(tokens, SpecMetrics().as_dict())
+        choose = _argmax if sampling is None else _sampler(model, sampling)
+        tokens, prefill_s, decode_s = _plain(model, prompt_ids, max_new_tokens, choose, eos, None, on_tokens)
+        return GenerateResult(tokens, _stats(SpecMetrics(), prefill_s, decode_s))
     drafter = load_drafter(draft, model, draft_options)
     prompt = [int(t) for t in prompt_ids]
     out: list[int] = []
     if max_new_tokens == 0:
-        return GenerateResult(out, SpecMetrics().as_dict())
+        return GenerateResult(out, _stats(SpecMetrics(), 0.0, 0.0))
     max_ctx = len(prompt) + max_new_tokens + num_draft_tokens + 8
+    clock = _Clock(on_tokens)
     session = SpecSession(model, prompt, drafter, max_ctx, p_min=p_min, pmin0=pmin0, sampling=sampling)
+    prefill_s = clock.lap()
+    delivered = 0
     while len(out) < max_new_tokens and not session.done:
-        tokens, _, _ = session.burst(max_new_tokens - len(out), num_draft_tokens, eos)
+        # streaming asks for one round per burst; the rounds (and so the tokens) are the same
+        target = 1 if on_tokens is not None else max_new_tokens - len(out)
+        tokens, _, _ = session.burst(target, num_draft_tokens, eos)
         if not tokens:
             break
         out.extend(tokens)
-    return GenerateResult(_clip(out, max_new_tokens, eos), session.metrics.as_dict())
+        if on_tokens is not None:
+            new = _clip(out, max_new_tokens, eos)[delivered:]
+            delivered += len(new)
+            clock.emit(new, session.metrics)
+    return GenerateResult(_clip(out, max_new_tokens, eos), _stats(session.metrics, prefill_s, clock.lap()))
+
+
+def _plain(model, prompt_ids, max_new_tokens: int, choose, eos_ids, max_ctx=None, on_tokens=None):
+    """Plain decoding with `choose(logits) -> token`; returns (tokens, prefill_s, decode_s)."""
+    prompt = list(prompt_ids)
+    out: list[int] = []
+    if max_new_tokens == 0:
+        return out, 0.0, 0.0
+    clock = _Clock(on_tokens)
+    metrics = SpecMetrics()
+    cache = model.new_cache(max_ctx or len(prompt) + max_new_tokens)
+    token = choose(model.prime(prompt, cache))
+    prefill_s = clock.lap()
+    while True:
+        out.append(token)
+        clock.emit([token], metrics)
+        if token in eos_ids or len(out) == max_new_tokens:
+            return out, prefill_s, clock.lap()
+        token = choose(model.decode_step(token, cache))
+
+
+def _argmax(logits) -> int:
+    return int(np.argmax(logits))
+
+
+def _sampler(model, sampling: SamplingParams):
+    if sampling.penalised:
+        raise InputError("repetition/presence/frequency penalties are not supported: drop them")
+    streams = SampleStreams(model.be, sampling.seed)
+    return lambda logits: streams.draw(filtered_probs(logits, sampling))
+
+
+class _Clock:
+    """Lap times that leave out the time spent in the caller's on_tokens callback."""
+
+    def __init__(self, on_tokens):
+        self.on_tokens = on_tokens
+        self.mark = time.perf_counter()
+        self.excluded = 0.0
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self.mark, self.excluded = now - self.mark - self.excluded, now, 0.0
+        return max(seconds, 0.0)
+
+    def emit(self, new: list[int], metrics: SpecMetrics) -> None:
+        if self.on_tokens is None or not new:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.on_tokens(list(new), metrics)
+        finally:
+            self.excluded += time.perf_counter() - t0
+
+
+def _stats(metrics: SpecMetrics, prefill_s: float, decode_s: float) -> dict:
+    return {**metrics.as_dict(), "prefill_s": prefill_s, "decode_s": decode_s}
 
 
 def _clip(tokens: list[int], limit: int, eos) -> list[int]:

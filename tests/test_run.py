@@ -1,82 +1,115 @@
-"""`python -m memra.run`: the main job prints one JSON record; refusals exit 2 without a traceback."""
+"""generate()'s streaming and timing (what the CLI is built on), the CLI's printers, and main() in-process.
+The CLI as a user runs it is tested in a subprocess in tests/test_cli_*.py."""
 
+import io
 import json
-import subprocess
-import sys
+import time
+from pathlib import Path
 
 import numpy as np
+import pytest
+import tomllib
 
-from memra import load_model
-from memra.generate import greedy
+from memra import SamplingParams, load_model
+from memra.cli.output import Progress, TextPrinter
+from memra.generate import generate, greedy
 from memra.run import main
+from memra.spec.metrics import SpecMetrics
+from memra.tokenizer import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [1, 2, 3, 4, 5, 6]
 
 
-def test_demo_generates_greedy_tokens(tmp_path, capsys):
-    assert main(["--demo-dir", str(tmp_path), "--max-new-tokens", "6", "--backend", "numpy"]) == 0
-    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(record["tokens"]) == 6 and record["backend"] == "numpy"
-    model = load_model(tmp_path / "small-seed0", backend="numpy")
-    assert record["tokens"] == greedy(model, record["prompt_ids"], 6)
+@pytest.fixture(scope="module")
+def mini(fixture_dir):
+    return load_model(fixture_dir("mini"), backend="numpy")
 
 
-def test_greedy_takes_the_argmax_each_step(fixture_dir):
-    model = load_model(fixture_dir("mini"), backend="numpy")
-    out = greedy(model, [1, 2, 3], 5)
-    cache = model.new_cache(8)
-    logits = model.prime([1, 2, 3], cache)
+def test_greedy_takes_the_argmax_each_step(mini):
+    out = greedy(mini, [1, 2, 3], 5)
+    cache = mini.new_cache(8)
+    logits = mini.prime([1, 2, 3], cache)
     for tok in out:
         assert tok == int(np.argmax(logits))
-        logits = model.decode_step(tok, cache)
+        logits = mini.decode_step(tok, cache)
 
 
-def test_refusal_prints_message_and_exits_2(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "memra.run", "--demo-dir", str(tmp_path), "--backend", "numpy",
-         "--prompt-ids", "1,999", "--max-new-tokens", "2"],
-        capture_output=True, text=True,
-    )
-    assert proc.returncode == 2
-    assert "outside the vocab" in proc.stderr and "Traceback" not in proc.stderr
+@pytest.mark.parametrize("draft", [None, "native-mtp"])
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.9, top_p=0.9, seed=4)],
+                         ids=["greedy", "sampled"])
+def test_on_tokens_streams_exactly_the_tokens_and_changes_none(mini, draft, sampling):
+    calls = []
+    kw = {"draft": draft, "num_draft_tokens": 3, "sampling": sampling}
+    streamed = generate(mini, PROMPT, 21, on_tokens=lambda ids, m: calls.append((ids, m)), **kw)
+    silent = generate(mini, PROMPT, 21, **kw)
+    assert streamed.tokens == silent.tokens and len(streamed.tokens) == 21
+    assert [t for ids, _ in calls for t in ids] == streamed.tokens
+    assert len(calls) > 1 and all(ids and isinstance(m, SpecMetrics) for ids, m in calls)
 
 
-def test_missing_model_dir_is_a_clear_error(tmp_path, capsys):
-    assert main(["--model", str(tmp_path / "nope"), "--backend", "numpy"]) == 2
-    assert "config.json" in capsys.readouterr().err
+@pytest.mark.parametrize("draft", [None, "native-mtp"])
+def test_streaming_stops_at_the_first_eos(mini, draft):
+    tape = greedy(mini, PROMPT, 20)
+    eos = (tape[5],)
+    got = []
+    result = generate(mini, PROMPT, 20, draft=draft, eos=eos, on_tokens=lambda ids, m: got.extend(ids))
+    assert got == result.tokens == tape[:tape.index(tape[5]) + 1]
 
 
-def test_speculative_cli_prints_the_plain_tokens_and_stats(tmp_path, capsys):
-    args = ["--demo-dir", str(tmp_path), "--max-new-tokens", "8", "--backend", "numpy"]
-    assert main(args) == 0
-    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert main(args + ["--draft", "native-mtp", "--num-draft-tokens", "3"]) == 0
-    spec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert spec["tokens"] == plain["tokens"]
-    assert spec["stats"]["num_draft_tokens"] > 0 and "mean_acceptance_length" in spec["stats"]
+@pytest.mark.parametrize("draft", [None, "native-mtp"])
+def test_stats_split_prefill_from_decode_and_leave_the_callback_out(mini, draft):
+    naps = []
+    result = generate(mini, PROMPT, 4, draft=draft, on_tokens=lambda ids, m: naps.append(time.sleep(0.1)))
+    stats = result.stats
+    assert len(naps) >= 3 and 0 < stats["prefill_s"] and 0 < stats["decode_s"] < 0.25  # the naps are left out
+    assert {"num_drafts", "accepted_per_pos", "seconds"} <= set(stats)
 
 
-def test_unknown_draft_source_and_bad_k_are_clear_errors(tmp_path, capsys):
-    base = ["--demo-dir", str(tmp_path), "--backend", "numpy", "--max-new-tokens", "4"]
-    assert main(base + ["--draft", "nope"]) == 2
-    assert "unknown draft source" in capsys.readouterr().err
-    assert main(base + ["--draft", "native-mtp", "--num-draft-tokens", "15"]) == 2
-    assert "outside 1..=14" in capsys.readouterr().err
+def test_main_in_process_prints_text_then_one_json_line(tmp_path, capsys):
+    assert main(["--demo-dir", str(tmp_path), "-n", "6", "--backend", "numpy", "--json"]) == 0
+    out = capsys.readouterr()
+    record = json.loads(out.out.split("\n")[-2])
+    model = load_model(tmp_path / "small-seed0", backend="numpy")
+    assert record["tokens"] == greedy(model, list(b"The quick brown fox"), 6)
+    assert "first run: writing the demo model" in out.err and "draft native-mtp" in out.err
 
 
-def test_sampling_flags_reach_generate_and_are_reproducible(tmp_path, capsys):
-    args = ["--demo-dir", str(tmp_path), "--backend", "numpy", "--max-new-tokens", "6",
-            "--temperature", "0.8", "--top-p", "0.9", "--seed", "5"]
-    runs = []
-    for _ in range(2):
-        assert main(args + ["--draft", "native-mtp", "--num-draft-tokens", "2"]) == 0
-        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"])
-    assert runs[0] == runs[1] and len(runs[0]) == 6
-    assert main(args + ["--top-p", "1.5"]) == 2
-    assert "top_p" in capsys.readouterr().err
+def test_help_and_version_exit_0(capsys):
+    assert main(["--help"]) == 0 and "--checkpoint DIR, --model DIR" in capsys.readouterr().out
+    assert main(["--version"]) == 0
 
 
-def test_draft_option_must_be_key_value(tmp_path, capsys):
-    base = ["--demo-dir", str(tmp_path), "--backend", "numpy", "--draft", "native-mtp"]
-    assert main(base + ["--draft-option", "novalue"]) == 2
-    assert "KEY=VALUE" in capsys.readouterr().err
-    assert main(base + ["--draft-option", "bogus=1"]) == 2
-    assert "unknown options" in capsys.readouterr().err
+def test_the_console_script_is_this_main():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["memra"] == "memra.run:main"
+    assert any(dep.startswith("tokenizers") for dep in project["dependencies"])
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_terminal_sees_control_bytes_escaped_and_a_pipe_gets_them_raw():
+    for out, expect in ((_Terminal(), "a\\x1b[2Jb\\x07\n\tc\n"), (io.StringIO(), "a\x1b[2Jb\x07\n\tc\n")):
+        printer = TextPrinter(out, ByteTokenizer(), [])
+        printer.push(list(b"a\x1b[2Jb\x07\n\tc"))
+        printer.finish()
+        assert out.getvalue() == expect
+
+
+def test_the_progress_line_needs_stderr_on_a_terminal_and_stdout_elsewhere(monkeypatch):
+    monkeypatch.setattr(Progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(Progress, "EVERY_S", 0.0)
+    metrics = SpecMetrics()
+    metrics.record(4, 2)
+    err = _Terminal()
+    progress = Progress(err, io.StringIO(), 10)
+    progress.update(3, metrics)
+    progress.clear()
+    assert "3/10 tokens" in err.getvalue() and "mean acceptance length 3.00" in err.getvalue()
+    assert err.getvalue().endswith("\r\x1b[K")
+    for err, out in ((io.StringIO(), io.StringIO()), (_Terminal(), _Terminal())):
+        Progress(err, out, 10).update(3, metrics)
+        assert err.getvalue() == ""

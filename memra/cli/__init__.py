@@ -1,0 +1,1 @@
+"""The `memra` command line (`python -m memra.run`): see memra/cli/main.py and the README."""

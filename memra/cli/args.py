@@ -1,0 +1,138 @@
+"""The command line: every flag, its checks, and argparse refusals as one `memra: ...` line.
+
+Each value is checked where it is parsed, so a bad one is named by its flag (`--top-p 1.5:
+must be in (0, 1]`) before any model is loaded. Flags whose default depends on the checkpoint
+(sampling, EOS, the draft source) default to None and are resolved in memra.cli.inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from memra.spec.session import MAX_K
+
+PROG = "python -m memra.run"
+DEMO_PROMPT = "The quick brown fox"
+
+
+class UsageError(Exception):
+    """A refused command line; main prints it as one line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own refusals: one line, no usage block
+        raise UsageError(f"{message} (see {PROG} --help)")
+
+
+def _number(kind, name: str, lo=None, hi=None, lo_open=False, hi_open=False, why: str = ""):
+    """An argparse type: parse with `kind`, then check the bounds, naming the flag."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise UsageError(f"{name} {text!r}: expected {'an integer' if kind is int else 'a number'}") from None
+        bad = (isinstance(value, float) and not math.isfinite(value)) \
+            or (lo is not None and (value <= lo if lo_open else value < lo)) \
+            or (hi is not None and (value >= hi if hi_open else value > hi))
+        if bad:
+            raise UsageError(f"{name} {text}: {why}")
+        return value
+    return parse
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise UsageError(f"--draft-option takes KEY=VALUE (for example path=DIR), got {text!r}")
+    return key, value
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers like 1,2,3, got {text!r}") from None
+    if not ids:
+        raise UsageError("--prompt-ids is empty: give at least one token id, like 1,2,3")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description="Generate from a glm5_next checkpoint (or the built-in demo model), "
+                 "plainly or with speculative decoding: same greedy tokens, same sampled distribution.",
+                 epilog="Text streams to stdout; the summary goes to stderr. Errors print one line and exit 2.")
+    src = ap.add_argument_group("model")
+    src.add_argument("--checkpoint", "--model", dest="checkpoint", metavar="DIR",
+                     help="checkpoint directory: config.json + safetensors, optional tokenizer.json and "
+                          "generation_config.json (default: the built-in demo model)")
+    src.add_argument("--demo-dir", metavar="DIR",
+                     help="where the demo model is written once and reused (default: "
+                          "$XDG_CACHE_HOME/memra/demo, else ~/.cache/memra/demo)")
+    src.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"),
+                     help="compute backend (default auto: cuda when usable, else numpy)")
+    src.add_argument("--max-ctx", type=_number(int, "--max-ctx", lo=2, why="must be an integer >= 2"),
+                     metavar="N", help="context cap, prompt + generated tokens (default: the model's "
+                     "max_position_embeddings)")
+
+    prompt = ap.add_argument_group("prompt (one of)").add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", metavar="TEXT", help=f"prompt text; '-' reads stdin (demo default: "
+                        f"{DEMO_PROMPT!r})")
+    prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt text from a UTF-8 file")
+    prompt.add_argument("--prompt-ids", type=_prompt_ids, metavar="1,2,3", help="prompt token ids")
+
+    gen = ap.add_argument_group("generation")
+    gen.add_argument("--max-new-tokens", "-n", type=_number(int, "--max-new-tokens", lo=0,
+                     why="must be an integer >= 0"), default=64, metavar="N", help="default 64")
+    gen.add_argument("--eos", type=_number(int, "--eos", lo=0, why="must be a token id >= 0"), action="append",
+                     metavar="ID", help="stop after this token (repeatable; replaces the checkpoint's EOS ids)")
+    gen.add_argument("--ignore-eos", action="store_true", help="generate all --max-new-tokens tokens")
+    gen.add_argument("--temperature", type=_number(float, "--temperature", lo=0,
+                     why="must be a finite number >= 0 (0 = greedy)"), metavar="T",
+                     help="0 = greedy (default: generation_config.json, else greedy)")
+    gen.add_argument("--top-k", type=_number(int, "--top-k", lo=0, why="must be an integer >= 0 (0 = off)"),
+                     metavar="K", help="keep the K most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=_number(float, "--top-p", lo=0, hi=1, lo_open=True,
+                     why="must be in (0, 1] (1 = off)"), metavar="P", help="nucleus mass (1 = off)")
+    gen.add_argument("--min-p", type=_number(float, "--min-p", lo=0, hi=1, hi_open=True,
+                     why="must be in [0, 1) (0 = off)"), metavar="P", help="drop tokens below P x the top one")
+    gen.add_argument("--seed", type=_number(int, "--seed", lo=0, hi=2**64 - 1, why="must be an integer in "
+                     "[0, 2^64)"), metavar="S", help="sampling seed (default 0): same seed, same tokens")
+
+    spec = ap.add_argument_group("speculative decoding")
+    spec.add_argument("--draft", metavar="NAME", help="draft source (see --list-drafters) or 'none' for plain "
+                      "decoding (default: native-mtp when the model has an MTP block, else none)")
+    spec.add_argument("--num-draft-tokens", "-k", type=_number(int, "--num-draft-tokens", lo=1, hi=MAX_K,
+                      why=f"must be in 1..{MAX_K} (a round verifies K + 1 <= {MAX_K + 1} rows)"),
+                      metavar="K", help="drafts per round (default 4)")
+    spec.add_argument("--draft-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                      help="an option for the draft source (repeatable; VALUE read as JSON when it parses)")
+    spec.add_argument("--p-min", type=_number(float, "--p-min", lo=0, hi=1, why="must be in [0, 1]"),
+                      metavar="P", help="confidence gate: drafts stop at the first slot the drafter is "
+                      "less sure of than P (default 0 = off)")
+    spec.add_argument("--p-min0", action="store_true", help="let the gate drop even the first draft")
+
+    out = ap.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="end stdout with one JSON line of stats and token ids")
+    out.add_argument("--list-drafters", action="store_true", help="print each draft source and its origin, exit")
+    out.add_argument("--debug", action="store_true", help="show tracebacks")
+    out.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    return ap
+
+
+def parse_args(argv):
+    args = build_parser().parse_args(argv)
+    if args.eos and args.ignore_eos:
+        raise UsageError("--eos and --ignore-eos contradict each other: give one")
+    if args.p_min0 and not args.p_min:
+        raise UsageError("--p-min0 widens the --p-min gate to the first draft: give --p-min P > 0 too")
+    return args
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("memra")
+    except PackageNotFoundError:
+        return "(not installed)"

@@ -1,0 +1,227 @@
+"""What the command line resolves before generating: the model directory (a checkpoint, or the
+demo written once into the user cache), its generation_config.json, the prompt ids, the EOS
+ids, the sampling parameters and the draft source.
+
+Precedence everywhere: an explicit flag, then the checkpoint's generation_config.json (as
+transformers reads it: greedy unless do_sample; top_k 50 when sampling and unset), then greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from memra.cli.args import DEMO_PROMPT, UsageError
+from memra.errors import CheckpointError, ConfigError, InputError
+
+DEMO_PRESET = "small"
+DEMO_SEED = 0
+DEMO_DRAFT = "native-mtp"
+GENERATION_CONFIG = "generation_config.json"
+HF_TOP_K = 50          # transformers' GenerationConfig default when sampling
+CONTEXT_SLACK = 22     # rows past the last token a speculative round may touch (K <= 14, plus 8)
+
+
+@dataclass
+class Source:
+    path: str
+    demo: bool
+    generation: dict
+
+
+def model_source(args, err=sys.stderr) -> Source:
+    if args.checkpoint is None:
+        return Source(demo_dir(args.demo_dir, err), True, {})
+    path = os.path.expanduser(args.checkpoint)
+    if not os.path.isdir(path):
+        raise ConfigError(f"--checkpoint {args.checkpoint}: no such directory; point it at a checkpoint "
+                          "(config.json + safetensors), or leave it out to run the demo")
+    return Source(path, False, read_generation_config(path))
+
+
+def demo_root() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "memra", "demo")
+
+
+def demo_dir(root: str | None, err=sys.stderr) -> str:
+    """The demo checkpoint: written once (atomically: a temp dir renamed into place), then reused."""
+    from memra.checkpoint import write_fixture
+    from memra.config import preset
+
+    path = os.path.join(os.path.expanduser(root or demo_root()), f"{DEMO_PRESET}-seed{DEMO_SEED}")
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return path
+    print(f"memra: first run: writing the demo model (the `{DEMO_PRESET}` preset, random weights, "
+          f"byte-level vocab) to {path}; later runs reuse it", file=err, flush=True)
+    parent, tmp = os.path.dirname(path), None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".writing-", dir=parent)
+        write_fixture(tmp, preset(DEMO_PRESET), seed=DEMO_SEED)
+        if os.path.isdir(path):           # a leftover without weights: replace it
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        if os.path.exists(os.path.join(path, "model.safetensors")):
+            return path                   # another run wrote it first
+        raise CheckpointError(f"cannot write the demo model under {parent} ({exc.strerror or exc}): "
+                              "pass --demo-dir DIR with a writable directory") from None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def read_generation_config(path: str) -> dict:
+    file = os.path.join(path, GENERATION_CONFIG)
+    if not os.path.exists(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{file} is not valid JSON ({exc}); fix or delete it") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file} must hold a JSON object; fix or delete it")
+    return raw
+
+
+def prompt_ids(args, source: Source, tokenizer, stdin=None) -> list[int]:
+    if args.prompt_ids is not None:
+        return list(args.prompt_ids)
+    if args.prompt_file is not None:
+        try:
+            with open(os.path.expanduser(args.prompt_file), encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise UsageError(f"--prompt-file {args.prompt_file}: cannot read it ({why})") from None
+    elif args.prompt == "-":
+        text = (stdin or sys.stdin).read()
+    elif args.prompt is not None:
+        text = args.prompt
+    elif source.demo:
+        text = DEMO_PROMPT
+    else:
+        raise UsageError("no prompt: give --prompt TEXT, --prompt-file PATH, --prompt - (stdin) or --prompt-ids 1,2,3")
+    if tokenizer is None:
+        raise UsageError(f"{source.path} has no tokenizer.json (and its vocab is not byte-level), so text "
+                         "cannot be tokenized: add tokenizer.json or use --prompt-ids")
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise UsageError("the prompt is empty after tokenization: give some text")
+    return ids
+
+
+def check_context(args, cfg, n_prompt: int, err=sys.stderr) -> int:
+    """The max_new_tokens that fits the context; refuses a prompt that does not fit at all."""
+    limit = cfg.max_position_embeddings
+    if args.max_ctx is not None and args.max_ctx > limit:
+        raise UsageError(f"--max-ctx {args.max_ctx} is past the model's max_position_embeddings ({limit}): "
+                         f"give at most {limit}")
+    ctx = args.max_ctx or limit
+    where = "--max-ctx" if args.max_ctx else "the model's max_position_embeddings"
+    room = ctx - n_prompt - CONTEXT_SLACK
+    if room < 1:
+        fixes = [f"shorten the prompt to at most {ctx - CONTEXT_SLACK - 1} tokens"] if ctx > CONTEXT_SLACK + 1 else []
+        if args.max_ctx and n_prompt + CONTEXT_SLACK + 1 <= limit:
+            fixes.append(f"raise --max-ctx to at least {n_prompt + CONTEXT_SLACK + 1}")
+        fix = " or ".join(fixes) or "this model's context is too short for speculative decoding"
+        raise UsageError(f"the prompt is {n_prompt} tokens and the context is {ctx} ({where}), which leaves no "
+                         f"room to generate ({CONTEXT_SLACK} positions stay free for a speculative round): {fix}")
+    if args.max_new_tokens > room:
+        print(f"memra: --max-new-tokens {args.max_new_tokens} lowered to {room} to fit the context "
+              f"({ctx}, {where})", file=err)
+        return room
+    return args.max_new_tokens
+
+
+def eos_ids(args, source: Source, cfg) -> tuple[int, ...]:
+    if args.ignore_eos:
+        return ()
+    if args.eos:
+        ids = tuple(args.eos)
+    elif "eos_token_id" in source.generation:
+        raw = source.generation["eos_token_id"]
+        ids = tuple(raw if isinstance(raw, list) else [raw] if raw is not None else [])
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ConfigError(f"{GENERATION_CONFIG} eos_token_id must be an integer or a list of them, "
+                              f"got {raw!r}; fix it or pass --eos ID")
+    else:
+        ids = tuple(cfg.eos_token_id)
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise UsageError(f"EOS id {bad[0]} is outside the vocab 0..{cfg.vocab_size - 1}: pass --eos with an "
+                         "id of this model, or --ignore-eos")
+    return ids
+
+
+def sampling_params(args, source: Source):
+    """SamplingParams, or None for greedy."""
+    from memra.spec.sampling import SamplingParams
+
+    gen = source.generation
+    sampling = bool(gen.get("do_sample", False))
+    defaults = {"temperature": 1.0, "top_k": HF_TOP_K, "top_p": 1.0, "min_p": 0.0} if sampling else \
+        {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    values = {}
+    for key, default in defaults.items():
+        flag = getattr(args, key)
+        value = flag if flag is not None else gen.get(key) if sampling and gen.get(key) is not None else default
+        values[key] = value
+    if values["temperature"] == 0:
+        return None
+    try:
+        return SamplingParams(temperature=float(values["temperature"]), top_k=int(values["top_k"]),
+                              top_p=float(values["top_p"]), min_p=float(values["min_p"]),
+                              seed=args.seed if args.seed is not None else 0)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{GENERATION_CONFIG} has a bad sampling value ({exc}): fix it or pass the flag") from None
+    except InputError as exc:  # name the flag (or the file) the value came from
+        message = str(exc)
+        for key in values:
+            origin = "--" + key.replace("_", "-") if getattr(args, key) is not None else f"{GENERATION_CONFIG} {key}"
+            message = message.replace(f"SamplingParams.{key}", origin)
+        raise InputError(message) from None
+
+
+def draft_choice(args, source: Source, cfg) -> tuple[str | None, str]:
+    """(draft source or None for plain, why it was chosen)."""
+    if args.draft is not None:
+        name = args.draft.strip()
+        if name.lower() == "none":
+            return None, "--draft none"
+        if not name:
+            raise UsageError("--draft needs a name: see --list-drafters, or 'none' for plain decoding")
+        return name, "--draft"
+    if cfg.has_mtp:
+        return DEMO_DRAFT, "default: the model has an MTP block"
+    return None, "default: the model has no MTP block"
+
+
+def draft_options(pairs) -> dict | None:
+    options = {}
+    for key, value in pairs:
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options or None
+
+
+def check_plain_flags(args, draft) -> None:
+    """Speculative-only flags with plain decoding would be ignored silently: refuse them."""
+    if draft is not None:
+        return
+    given = [flag for flag, value in (("--num-draft-tokens", args.num_draft_tokens),
+                                      ("--draft-option", args.draft_option), ("--p-min", args.p_min)) if value]
+    if given:
+        one = len(given) == 1
+        raise UsageError(f"{' and '.join(given)} {'is' if one else 'are'} for speculative decoding, and this run "
+                         f"is plain: drop {'it' if one else 'them'} or choose a draft source with --draft NAME")

@@ -1,0 +1,170 @@
+"""`python -m memra.run` / `memra`: the generation command.
+
+Order of work: parse and check every flag, resolve the model (checkpoint or demo), load it and
+its tokenizer, build the prompt, generate while streaming text to stdout, then the summary on
+stderr and (with --json) one JSON line on stdout. Refusals print `memra: <problem and fix>`
+and exit 2; Ctrl-C keeps what was printed and exits 130; --debug shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+from memra.cli import inputs
+from memra.cli.args import UsageError, parse_args
+from memra.cli.output import Progress, Report, TextPrinter, device_name, record, summary
+from memra.errors import MemraError
+
+EXIT_REFUSED = 2
+EXIT_INTERRUPTED = 130
+DEFAULT_K = 4
+WARMUP_PROMPT = 64   # long enough to reach the sparse (kpool) attention path
+
+
+def main(argv=None) -> int:
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    out, err = sys.stdout, sys.stderr
+    _tolerant(out)
+    held = {}                            # the text printer, once there is one (for Ctrl-C)
+    try:
+        args = parse_args(argv)
+        if args.list_drafters:
+            return _list_drafters(out)
+        return _run(args, out, err, held)
+    except SystemExit as exc:           # --help, --version
+        return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:
+        printer = held.get("printer")
+        if printer is not None:
+            printer.finish()
+        n = len(printer.tokens) if printer is not None else 0
+        print(f"memra: interrupted after {n} new tokens", file=err)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:              # the reader left (`| head`): nothing more to say
+        _silence(out)
+        return 0
+    except (UsageError, MemraError) as exc:
+        if debug:
+            traceback.print_exc(file=err)
+        print(f"memra: {exc}", file=err)
+        return EXIT_REFUSED
+    except Exception as exc:  # a bug, not a refusal: say so, and how to see it
+        if debug:
+            traceback.print_exc(file=err)
+        print(f"memra: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback, "
+              "and please report it)", file=err)
+        return 1
+
+
+@dataclass
+class Job:
+    """A checked request: everything generate() and the report need."""
+
+    source: inputs.Source
+    model: object
+    load_s: float
+    tokenizer: object
+    prompt: list
+    max_new: int
+    draft: str | None
+    draft_why: str
+    k: int
+    options: dict | None
+    sampling: object
+    eos: tuple
+    p_min: float
+    pmin0: bool
+
+
+def _prepare(args, err) -> Job:
+    from memra import load_model
+    from memra.tokenizer import load_tokenizer
+
+    source = inputs.model_source(args, err)
+    t0 = time.perf_counter()
+    model = load_model(source.path, backend=args.backend)
+    load_s = time.perf_counter() - t0
+    cfg = model.cfg
+    tokenizer = load_tokenizer(source.path, cfg.vocab_size)
+    prompt = inputs.prompt_ids(args, source, tokenizer)
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise UsageError(f"prompt token id {bad[0]} is outside the vocab 0..{cfg.vocab_size - 1}: "
+                         "check the ids (or the tokenizer) belong to this checkpoint")
+    draft, draft_why = inputs.draft_choice(args, source, cfg)
+    inputs.check_plain_flags(args, draft)
+    if draft is not None and len(prompt) < 2:
+        raise UsageError("speculative decoding needs a prompt of at least 2 tokens: give a longer prompt, "
+                         "or --draft none")
+    return Job(source, model, load_s, tokenizer, prompt, inputs.check_context(args, cfg, len(prompt), err),
+               draft, draft_why, args.num_draft_tokens or DEFAULT_K, inputs.draft_options(args.draft_option),
+               inputs.sampling_params(args, source), inputs.eos_ids(args, source, cfg), args.p_min or 0.0,
+               args.p_min0)
+
+
+def _run(args, out, err, held: dict) -> int:
+    from memra.generate import generate
+
+    job = _prepare(args, err)
+    spec = {"draft": job.draft, "num_draft_tokens": job.k, "draft_options": job.options, "sampling": job.sampling}
+    warmup_s = 0.0
+    if job.model.be.name == "cuda":  # compile the kernels (NVRTC, once per process) outside the timed run
+        t0 = time.perf_counter()
+        generate(job.model, job.prompt[:WARMUP_PROMPT], 2, **spec)
+        warmup_s = time.perf_counter() - t0
+
+    printer = held["printer"] = TextPrinter(out, job.tokenizer, job.prompt)
+    progress = Progress(err, out, job.max_new)
+
+    def on_tokens(new_ids, metrics):
+        printer.push(new_ids)
+        progress.update(len(printer.tokens), metrics)
+
+    try:
+        result = generate(job.model, job.prompt, job.max_new, eos=job.eos, p_min=job.p_min, pmin0=job.pmin0,
+                          on_tokens=on_tokens, **spec)
+    finally:
+        progress.clear()
+    printer.finish()
+    tokens = result.tokens
+    stop = ("EOS" if tokens and tokens[-1] in job.eos else
+            "--max-new-tokens" if len(tokens) >= job.max_new else "context full")
+    rep = Report(prompt_tokens=len(job.prompt), tokens=tokens, stats=result.stats, draft=job.draft,
+                 draft_why=job.draft_why, k=job.k, sampling=job.sampling, backend=job.model.be.name,
+                 device=device_name(job.model.be), model=job.source.path, demo=job.source.demo, stop=stop,
+                 load_s=job.load_s, warmup_s=warmup_s)
+    print(summary(rep), file=err, flush=True)
+    if args.json:
+        print(json.dumps(record(rep)), file=out, flush=True)
+    return 0
+
+
+def _list_drafters(out) -> int:
+    from memra.drafters.registry import draft_source_origins
+
+    origins = draft_source_origins()
+    width = max(map(len, origins), default=0)
+    for name, origin in origins.items():
+        print(f"{name:<{width}}  {origin}", file=out)
+    return 0
+
+
+def _tolerant(stream) -> None:
+    """Never die on a character the terminal's encoding lacks: print a replacement instead."""
+    try:
+        stream.reconfigure(errors="replace")
+    except (AttributeError, ValueError):
+        pass
+
+
+def _silence(stream) -> None:
+    """Point a closed pipe's descriptor at /dev/null so the interpreter's final flush stays quiet."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        pass

@@ -1,0 +1,140 @@
+"""`python -m memra.run` end to end, in a subprocess: the demo on a fresh cache, the JSON record,
+speculative == plain greedy for every built-in draft source, seeded sampling, --list-drafters, Ctrl-C."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from cli_helpers import ROOT, as_printed, ok_json, run_cli, streamed
+
+from memra.cli.output import JSON_KEYS
+from memra.config import preset
+from memra.tokenizer import ByteTokenizer
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A user cache with the demo already written (by the CLI itself, on its first run)."""
+    root = tmp_path_factory.mktemp("cache")
+    first = run_cli("--max-new-tokens", 2, cache=root)
+    assert first.returncode == 0, first.stderr
+    assert "first run: writing the demo model" in first.stderr
+    assert (root / "memra" / "demo" / "small-seed0" / "model.safetensors").exists()
+    return root
+
+
+def test_the_demo_reuses_its_model_and_runs_speculative_with_an_honest_summary(cache):
+    proc = run_cli("--max-new-tokens", N, cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "writing the demo model" not in proc.stderr
+    assert "draft native-mtp, K=4" in proc.stderr and "acceptance: mean length" in proc.stderr
+    assert "random weights: acceptance is not meaningful" in proc.stderr
+    assert proc.stdout.endswith("\n") and len(proc.stdout) > 1
+
+
+def test_json_is_the_last_stdout_line_with_exactly_the_documented_keys(cache):
+    rec = ok_json(run_cli("--max-new-tokens", N, "--json", cache=cache))
+    assert tuple(rec) == JSON_KEYS
+    assert rec["new_tokens"] == len(rec["tokens"]) == N
+    assert rec["prompt_tokens"] == len(b"The quick brown fox")
+    assert rec["draft"] == "native-mtp" and rec["num_draft_tokens_k"] == 4
+    assert rec["backend"] in ("numpy", "cuda") and (rec["device"] == "cpu") == (rec["backend"] == "numpy")
+    assert rec["seed"] is None
+    assert rec["num_drafts"] > 0 and rec["num_draft_tokens"] == 4 * rec["num_drafts"]
+    assert rec["acceptance_rate"] == rec["num_accepted_tokens"] / rec["num_draft_tokens"]
+    assert rec["mean_acceptance_length"] == 1 + rec["num_accepted_tokens"] / rec["num_drafts"]
+    assert len(rec["accepted_per_pos"]) == 4 and set(rec["phase_s"]) == {"draft", "verify", "accept", "roll", "maint"}
+    assert rec["prefill_s"] > 0 and rec["decode_s"] > 0 and rec["tokens_per_s"] > 0
+    assert all(isinstance(t, int) and 0 <= t < 256 for t in rec["tokens"])
+
+
+def test_streamed_text_is_the_decoded_tokens(cache):
+    proc = run_cli("--max-new-tokens", 40, "--json", "--draft", "none", cache=cache)
+    rec = ok_json(proc)
+    assert streamed(proc) == as_printed(ByteTokenizer().decode(rec["tokens"]))
+    assert rec["draft"] is None and rec["num_draft_tokens_k"] is None and rec["mean_acceptance_length"] is None
+
+
+def _builtin_drafts(tmp_path):
+    """(name, extra flags) for every built-in source that can run on the demo model."""
+    yield "native-mtp", ()
+    try:
+        from memra.drafters.dflash2 import write_fixture_drafter
+    except ImportError:
+        return
+    path = write_fixture_drafter(tmp_path / "dflash2", preset("small"), seed=0)
+    yield "dflash2", ("--draft-option", f"path={path}")
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_greedy_speculative_tokens_equal_plain_for_every_builtin_source(cache, tmp_path, k):
+    from memra.drafters.builtin import BUILTIN_SOURCES
+
+    plain = ok_json(run_cli("-n", 24, "--json", "--draft", "none", "--prompt", "héllo, wörld", cache=cache))
+    ran = []
+    for name, extra in _builtin_drafts(tmp_path):
+        spec = ok_json(run_cli("-n", 24, "--json", "--draft", name, "-k", k, *extra, "--prompt", "héllo, wörld",
+                               cache=cache))
+        assert spec["tokens"] == plain["tokens"], name
+        assert spec["draft"] == name and spec["num_draft_tokens"] > 0
+        ran.append(name)
+    missing = {name for name, _ in BUILTIN_SOURCES} - set(ran)
+    if missing:
+        pytest.skip(f"built-in sources {sorted(missing)} cannot run here (no fixture writer)")
+
+
+def test_sampled_runs_are_reproducible_by_seed(cache):
+    args = ("-n", 16, "--json", "--temperature", 0.9, "--top-p", 0.95, "--top-k", 40)
+    a, b = (ok_json(run_cli(*args, "--seed", 7, cache=cache)) for _ in range(2))
+    other = ok_json(run_cli(*args, "--seed", 8, cache=cache))
+    assert a["tokens"] == b["tokens"] and a["seed"] == 7 and other["seed"] == 8
+    assert a["tokens"] != other["tokens"]
+    plain = [ok_json(run_cli(*args, "--seed", 7, "--draft", "none", cache=cache))["tokens"] for _ in range(2)]
+    assert plain[0] == plain[1]
+
+
+def test_eos_stops_generation_and_ignore_eos_does_not(cache):
+    tape = ok_json(run_cli("-n", 10, "--json", "--ignore-eos", cache=cache))["tokens"]
+    stop = tape[3]
+    cut = ok_json(run_cli("-n", 10, "--json", "--eos", stop, cache=cache))
+    assert cut["tokens"] == tape[:tape.index(stop) + 1]
+
+
+def test_prompt_from_stdin_file_and_ids_agree(cache, tmp_path):
+    text = "Grüße 🙂"
+    (tmp_path / "p.txt").write_text(text, encoding="utf-8")
+    ids = ",".join(str(b) for b in text.encode())
+    runs = [run_cli("-n", 6, "--json", *how, cache=cache, stdin=text if how[-1] == "-" else None)
+            for how in (("--prompt", text), ("--prompt", "-"), ("--prompt-file", tmp_path / "p.txt"),
+                        ("--prompt-ids", ids))]
+    records = [ok_json(p) for p in runs]
+    assert all(r["tokens"] == records[0]["tokens"] and r["prompt_tokens"] == len(text.encode()) for r in records)
+
+
+def test_a_long_request_is_lowered_to_fit_the_context(cache):
+    proc = run_cli("-n", 10, "--max-ctx", 48, "--json", cache=cache)
+    rec = ok_json(proc)
+    assert rec["new_tokens"] == 48 - 19 - 22 and "lowered to 7" in proc.stderr
+
+
+def test_list_drafters_names_the_builtins(cache):
+    proc = run_cli("--list-drafters", cache=cache)
+    assert proc.returncode == 0
+    table = dict(line.split(None, 1) for line in proc.stdout.splitlines())
+    assert table["native-mtp"] == "built-in" and table["dflash2"] == "built-in"
+
+
+def test_ctrl_c_keeps_the_partial_output_and_exits_130(cache):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(cache)}
+    proc = subprocess.Popen([sys.executable, "-m", "memra.run", "-n", "3000", "--ignore-eos"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.read(1)                 # generation is under way
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert first and rest.endswith(b"\n")
+    assert b"memra: interrupted after" in err and b"Traceback" not in err

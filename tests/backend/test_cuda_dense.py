@@ -28,6 +28,7 @@ from memra.backend.cuda_dense import DenseOps
 from memra.backend.numpy_ref import NumpyBackend
 from memra.errors import InputError
 from memra.safetensors_io import bf16_to_f32, f32_to_bf16
+from tests.backend.inputs import normal as _normal, make_linear as _make_linear, make_head_linear as _make_head_linear, make_norm as _make_norm
 
 F32 = np.float32
 T_MAX = 15  # the exact-class row cap (K <= 14)
@@ -52,9 +53,6 @@ TOLERANCE = {
 }
 
 
-def _normal(rng, shape, std=1.0):
-    """Float32 normal draws: no subnormals in practice (CuPy compiles with -ftz=true)."""
-    return (rng.standard_normal(shape) * std).astype(F32)
 
 
 def _bf16(rng, shape, std):
@@ -90,25 +88,10 @@ def _make_embed(weight):
     return make
 
 
-def _make_linear(d_in, d_out, weight=_normal):
-    def make(rng, t):
-        return {"x": _normal(rng, (t, d_in))}, {"w": weight(rng, (d_out, d_in), d_in ** -0.5)}
-    return make
 
 
-def _make_head_linear(h, d_in, d_out, weight=_normal):
-    def make(rng, t):
-        return {"x": _normal(rng, (t, h, d_in))}, {"w": weight(rng, (h, d_out, d_in), d_in ** -0.5)}
-    return make
 
 
-def _make_norm(shape, weighted=True, bias=False):
-    def make(rng, t):
-        shared = {"w": (1 + 0.3 * _normal(rng, shape[-1:])).astype(F32) if weighted else None}
-        if bias:
-            shared["b"] = _normal(rng, shape[-1:], 0.2)
-        return {"x": _normal(rng, (t, *shape), 2.0)}, shared
-    return make
 
 
 def _make_gated(shape):

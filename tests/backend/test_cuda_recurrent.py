@@ -31,6 +31,7 @@ cp = cupy_or_skip()
 
 from memra.backend.cuda_recurrent import RecurrentOps
 from memra.backend.numpy_ref import NumpyBackend
+from tests.backend.inputs import normal as _normal, uniform as _uniform
 
 F32 = np.float32
 T_MAX = 15  # the exact-class row cap (K <= 14)
@@ -48,13 +49,8 @@ TOL = {
 }
 
 
-def _normal(rng, shape, std=1.0):
-    """Float32 normal draws: no subnormal inputs (CuPy compiles with -ftz=true)."""
-    return (rng.standard_normal(shape) * std).astype(F32)
 
 
-def _uniform(rng, shape, lo, hi):
-    return rng.uniform(lo, hi, shape).astype(F32)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ cp = cupy_or_skip()
 from memra.backend.cuda_sparse import SparseOps
 from memra.backend.numpy_ref import NumpyBackend
 from memra.safetensors_io import bf16_to_f32, f32_to_bf16
+from tests.backend.inputs import normal as _normal, uniform as _uniform
 
 F32 = np.float32
 T_MAX = 15  # the exact-class row cap
@@ -43,12 +44,8 @@ TOL = {
 }
 
 
-def _normal(rng, shape, std=1.0):
-    return (rng.standard_normal(shape) * std).astype(F32)
 
 
-def _uniform(rng, shape, lo, hi):
-    return rng.uniform(lo, hi, shape).astype(F32)
 
 
 def _dev(args):

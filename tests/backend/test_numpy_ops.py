@@ -19,19 +19,15 @@ import numpy as np
 import pytest
 
 from memra.backend.numpy_ref import NumpyBackend
+from tests.backend.inputs import normal as _normal, uniform as _uniform, make_linear as _make_linear, make_head_linear as _make_head_linear, make_norm as _make_norm
 
 F32 = np.float32
 T_MAX = 15  # the exact-class row cap (K <= 14)
 ROW_COUNTS = range(1, T_MAX + 1)
 
 
-def _normal(rng, shape, std=1.0):
-    """Float32 normal draws: no subnormals in practice (|x| < 1e-38 has probability ~0)."""
-    return (rng.standard_normal(shape) * std).astype(F32)
 
 
-def _uniform(rng, shape, lo, hi):
-    return rng.uniform(lo, hi, shape).astype(F32)
 
 
 @dataclass(frozen=True)
@@ -66,25 +62,10 @@ def _make_embed(rng, t):
     return {"ids": rng.integers(0, 97, t)}, {"table": _normal(rng, (97, 128))}
 
 
-def _make_linear(d_in, d_out):
-    def make(rng, t):
-        return {"x": _normal(rng, (t, d_in))}, {"w": _normal(rng, (d_out, d_in), d_in ** -0.5)}
-    return make
 
 
-def _make_head_linear(h, d_in, d_out):
-    def make(rng, t):
-        return {"x": _normal(rng, (t, h, d_in))}, {"w": _normal(rng, (h, d_out, d_in), d_in ** -0.5)}
-    return make
 
 
-def _make_norm(shape, weighted=True, bias=False):
-    def make(rng, t):
-        shared = {"w": (1 + 0.3 * _normal(rng, shape[-1:])).astype(F32) if weighted else None}
-        if bias:
-            shared["b"] = _normal(rng, shape[-1:], 0.2)
-        return {"x": _normal(rng, (t, *shape), 2.0)}, shared
-    return make
 
 
 def _make_gated_rmsnorm(rng, t):

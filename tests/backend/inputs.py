@@ -1,0 +1,38 @@
+"""Random op inputs shared by the backend test tables (numpy reference and CUDA twins).
+
+Float32 draws with no subnormals in practice (CuPy compiles with -ftz=true). A `make_*`
+returns `make(rng, t) -> (row inputs with a leading t axis, shared inputs)`.
+"""
+
+import numpy as np
+
+F32 = np.float32
+
+
+def normal(rng, shape, std=1.0):
+    return (rng.standard_normal(shape) * std).astype(F32)
+
+
+def uniform(rng, shape, lo, hi):
+    return rng.uniform(lo, hi, shape).astype(F32)
+
+
+def make_linear(d_in, d_out, weight=normal):
+    def make(rng, t):
+        return {"x": normal(rng, (t, d_in))}, {"w": weight(rng, (d_out, d_in), d_in ** -0.5)}
+    return make
+
+
+def make_head_linear(h, d_in, d_out, weight=normal):
+    def make(rng, t):
+        return {"x": normal(rng, (t, h, d_in))}, {"w": weight(rng, (h, d_out, d_in), d_in ** -0.5)}
+    return make
+
+
+def make_norm(shape, weighted=True, bias=False):
+    def make(rng, t):
+        shared = {"w": (1 + 0.3 * normal(rng, shape[-1:])).astype(F32) if weighted else None}
+        if bias:
+            shared["b"] = normal(rng, shape[-1:], 0.2)
+        return {"x": normal(rng, (t, *shape), 2.0)}, shared
+    return make

@@ -22,7 +22,7 @@ import cupy as cp
 from memra.backend.cuda_runtime import BLOCK, check, f32, i32, launch
 from memra.errors import InputError
 
-OUTS_PER_BLOCK = 32   # dense.cu: WARPS_PER_BLOCK * OUTS_PER_WARP outputs per projection block
+OUTS_PER_BLOCK = 8    # dense.cu: one output row per warp, 8 warps per block
 MAX_GRID = 65535 * 32  # elementwise launches: grid-stride loops cover the rest
 INT32_MAX = 2**31 - 1
 
@@ -34,6 +34,12 @@ def _weight_kind(w, name: str) -> str:
         return "bf16"
     check(w, cp.float32, name)
     return "f32"
+
+
+def _row_template(t: int) -> int:
+    """The projection kernel's row template: the smallest of 1, 2, 4, 8, 16 covering min(t, 16)
+    (a row's bits never depend on it; it only sizes the accumulators)."""
+    return next(T for T in (1, 2, 4, 8, 16) if T >= min(t, 16))
 
 
 def _rows_of(x, name: str) -> tuple[int, int]:
@@ -95,7 +101,7 @@ class DenseOps:
         out = cp.empty((t, n_out), cp.float32)
         if t and n_out:
             grid = ((n_out + OUTS_PER_BLOCK - 1) // OUTS_PER_BLOCK,)
-            launch("dense", f"linear_{kind}", grid, (BLOCK,),
+            launch("dense", f"linear_{kind}_t{_row_template(t)}", grid, (BLOCK,),
                    (x, w, out, i32(t), i32(n_in), i32(n_out)))
         return out
 
@@ -110,7 +116,7 @@ class DenseOps:
         out = cp.empty((t, heads, n_out), cp.float32)
         if t and heads and n_out:
             grid = ((n_out + OUTS_PER_BLOCK - 1) // OUTS_PER_BLOCK, heads)
-            launch("dense", f"head_linear_{kind}", grid, (BLOCK,),
+            launch("dense", f"head_linear_{kind}_t{_row_template(t)}", grid, (BLOCK,),
                    (x, w, out, i32(t), i32(n_in), i32(n_out)))
         return out
 

@@ -1,19 +1,19 @@
 // Dense family: embedding gather, projections (linear, per-head linear) and elementwise activations.
 //
-// Projections are exact class: the dot product of output o with row r is reduced in one fixed
-// order whatever the row count t or the grid size: lane l of a warp sums the products of
-// in-features k = l, l+32, l+64, ... in increasing k (a fixed split SIZE of 32), then the warp's
-// fixed shuffle tree adds the 32 partials. The weight tile is read once and applied to every row
-// of the block (up to ROW_TILE rows held in shared memory), so a t-row verify costs one weight
-// pass, not t.
+// Projections are exact class and bandwidth-shaped: one warp owns one output row o of the weight
+// and streams it once for all t rows of the call (up to ROWS_MAX; more only in the prime class).
+// Lane l reads the 16-byte chunks starting at in-features k = 8l, 8l + 256, 8l + 512, ... and adds
+// the 8 products of each chunk in increasing k; the warp's fixed shuffle tree then adds the 32
+// lane partials. That order depends only on n_in, never on t, the grid or the kernel's row
+// template, so row r of a t-row call is bit-identical to the row alone, for f32 and bf16 weights
+// alike (bf16 widens in-kernel to the same float the f32 path reads).
 #include "common.cuh"
 
 #define WARP 32
-#define WARPS_PER_BLOCK (MEMRA_BLOCK / WARP)
-#define ROW_TILE 16        // rows per weight pass; >= 15, so every exact-class call reads w once
-#define OUTS_PER_WARP 4    // outputs per warp: each staged x element serves 4 weight rows
-#define K_TILE 256         // in-features per shared-memory stage (a multiple of WARP)
-#define OUTS_PER_BLOCK (WARPS_PER_BLOCK * OUTS_PER_WARP)
+#define WARPS_PER_BLOCK (MEMRA_BLOCK / WARP)  // one output row per warp
+#define CHUNK 8                               // in-features per lane per step: 16 bytes of bf16
+#define STEP (WARP * CHUNK)
+#define ROWS_MAX 16                           // rows per weight pass; >= 15, the exact-class cap
 
 static __device__ __forceinline__ float widen(float v) { return v; }
 static __device__ __forceinline__ float widen(unsigned short v) { return bf16_to_f32(v); }
@@ -24,82 +24,101 @@ static __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// y[r, o] = sum_k w[o, k] x[r, k] for r < t, o < n_out. x rows are x_stride floats apart and y
-// rows y_stride floats apart (head_linear interleaves heads within a row).
-template <typename W>
+// The 8 weights of a full chunk; vector loads when the row start is 16-byte aligned.
+static __device__ __forceinline__ void load_chunk(const unsigned short* p, bool aligned, float* v) {
+    if (aligned) {
+        const uint4 q = *reinterpret_cast<const uint4*>(p);
+        const unsigned words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            v[2 * j] = __uint_as_float(words[j] << 16);
+            v[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j) v[j] = bf16_to_f32(p[j]);
+    }
+}
+
+static __device__ __forceinline__ void load_chunk(const float* p, bool aligned, float* v) {
+    if (aligned) {
+        const float4 a = *reinterpret_cast<const float4*>(p);
+        const float4 b = *reinterpret_cast<const float4*>(p + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j) v[j] = p[j];
+    }
+}
+
+// y[r, o] = sum_k w[o, k] x[r, k] for r < t (t <= T), o = this warp's row. x rows are x_stride
+// floats apart and y rows y_stride apart (head_linear interleaves heads within a row).
+template <typename W, int T>
 static __device__ void project(const float* __restrict__ x, const W* __restrict__ w,
                                float* __restrict__ y, int t, int n_in, int n_out,
                                long long x_stride, long long y_stride) {
-    __shared__ float xs[ROW_TILE][K_TILE];
     const int lane = threadIdx.x % WARP;
-    const int o0 = (blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP) * OUTS_PER_WARP;
-    for (int r0 = 0; r0 < t; r0 += ROW_TILE) {  // more than ROW_TILE rows only in the prime class
-        const int nr = min(ROW_TILE, t - r0);
-        float acc[ROW_TILE][OUTS_PER_WARP];
+    const int o = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP;
+    if (o >= n_out) return;
+    const W* wr = w + (long long)o * n_in;
+    const bool aligned = (reinterpret_cast<unsigned long long>(wr) % 16) == 0;
+    for (int r0 = 0; r0 < t; r0 += T) {  // more than T rows only in the prime class
+        const int nr = min(T, t - r0);
+        float acc[T];
 #pragma unroll
-        for (int r = 0; r < ROW_TILE; ++r)
+        for (int r = 0; r < T; ++r) acc[r] = 0.0f;
+        for (int c = lane * CHUNK; c < n_in; c += STEP) {
+            if (c + CHUNK <= n_in) {
+                float wv[CHUNK];
+                load_chunk(wr + c, aligned, wv);
 #pragma unroll
-            for (int j = 0; j < OUTS_PER_WARP; ++j) acc[r][j] = 0.0f;
-        for (int k0 = 0; k0 < n_in; k0 += K_TILE) {
-            const int kn = min(K_TILE, n_in - k0);
-            __syncthreads();  // the previous stage is fully consumed
-            for (int i = threadIdx.x; i < nr * K_TILE; i += MEMRA_BLOCK) {
-                const int r = i / K_TILE, k = i % K_TILE;
-                xs[r][k] = k < kn ? x[(r0 + r) * x_stride + k0 + k] : 0.0f;
-            }
-            __syncthreads();
-            for (int k = lane; k < kn; k += WARP) {
+                for (int r = 0; r < T; ++r) {
+                    if (r < nr) {
+                        const float* xr = x + (r0 + r) * x_stride + c;
 #pragma unroll
-                for (int j = 0; j < OUTS_PER_WARP; ++j) {
-                    const int o = o0 + j;
-                    const float wv = o < n_out ? widen(w[(long long)o * n_in + k0 + k]) : 0.0f;
+                        for (int j = 0; j < CHUNK; ++j) acc[r] = acc[r] + wv[j] * xr[j];
+                    }
+                }
+            } else {  // the row's ragged tail: same order, element by element
+                for (int j = 0; c + j < n_in; ++j) {
+                    const float wv = widen(wr[c + j]);
 #pragma unroll
-                    for (int r = 0; r < ROW_TILE; ++r)
-                        if (r < nr) acc[r][j] = acc[r][j] + wv * xs[r][k];
+                    for (int r = 0; r < T; ++r)
+                        if (r < nr) acc[r] = acc[r] + wv * x[(r0 + r) * x_stride + c + j];
                 }
             }
         }
 #pragma unroll
-        for (int r = 0; r < ROW_TILE; ++r) {
-            if (r >= nr) break;
-#pragma unroll
-            for (int j = 0; j < OUTS_PER_WARP; ++j) {
-                const float s = warp_sum(acc[r][j]);
-                if (lane == 0 && o0 + j < n_out) y[(r0 + r) * y_stride + o0 + j] = s;
-            }
+        for (int r = 0; r < T; ++r) {
+            const float s = warp_sum(acc[r]);
+            if (lane == 0 && r < nr) y[(r0 + r) * y_stride + o] = s;
         }
     }
 }
 
-// x [t, in], w [out, in] -> y [t, out]; grid (ceil(out / OUTS_PER_BLOCK)), block MEMRA_BLOCK.
-extern "C" __global__ void linear_f32(const float* x, const float* w, float* y, int t, int n_in,
-                                      int n_out) {
-    project(x, w, y, t, n_in, n_out, n_in, n_out);
-}
+// x [t, in], w [out, in] -> y [t, out]; grid (ceil(out / WARPS_PER_BLOCK)), block MEMRA_BLOCK.
+// x [t, H, in], w [H, out, in] -> y [t, H, out] for head_linear; grid (.., H).
+// One kernel per weight type and row template T in {1, 2, 4, 8, 16}: the host picks the smallest
+// T >= min(t, 16), which saves registers and never changes a row's bits.
+#define PROJECTIONS(SUFFIX, W, T)                                                                 \
+    extern "C" __global__ void linear_##SUFFIX##_t##T(const float* x, const W* w, float* y, int t, \
+                                                      int n_in, int n_out) {                     \
+        project<W, T>(x, w, y, t, n_in, n_out, n_in, n_out);                                      \
+    }                                                                                             \
+    extern "C" __global__ void head_linear_##SUFFIX##_t##T(const float* x, const W* w, float* y,  \
+                                                           int t, int n_in, int n_out) {          \
+        const long long h = blockIdx.y, heads = gridDim.y;                                        \
+        project<W, T>(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out,          \
+                      heads * n_in, heads * n_out);                                               \
+    }
 
-extern "C" __global__ void linear_bf16(const float* x, const unsigned short* w, float* y, int t,
-                                       int n_in, int n_out) {
-    project(x, w, y, t, n_in, n_out, n_in, n_out);
-}
+#define PROJECTIONS_ALL_T(SUFFIX, W) \
+    PROJECTIONS(SUFFIX, W, 1) PROJECTIONS(SUFFIX, W, 2) PROJECTIONS(SUFFIX, W, 4) \
+    PROJECTIONS(SUFFIX, W, 8) PROJECTIONS(SUFFIX, W, 16)
 
-// x [t, H, in], w [H, out, in] -> y [t, H, out]; grid (ceil(out / OUTS_PER_BLOCK), H).
-template <typename W>
-static __device__ void head_project(const float* x, const W* w, float* y, int t, int n_in,
-                                    int n_out) {
-    const long long h = blockIdx.y, heads = gridDim.y;
-    project(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out, heads * n_in,
-            heads * n_out);
-}
-
-extern "C" __global__ void head_linear_f32(const float* x, const float* w, float* y, int t,
-                                           int n_in, int n_out) {
-    head_project(x, w, y, t, n_in, n_out);
-}
-
-extern "C" __global__ void head_linear_bf16(const float* x, const unsigned short* w, float* y,
-                                            int t, int n_in, int n_out) {
-    head_project(x, w, y, t, n_in, n_out);
-}
+PROJECTIONS_ALL_T(f32, float)
+PROJECTIONS_ALL_T(bf16, unsigned short)
 
 // y[i] = table[ids[i]]; grid (n_ids), block MEMRA_BLOCK. An id outside [0, vocab) gives a NaN
 // row (loud downstream) instead of an out-of-bounds read; host ids are checked before launch.

@@ -24,7 +24,7 @@ static __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// The 8 weights of a full chunk; vector loads when the row start is 16-byte aligned.
+// The 8 values of a full chunk (weights or activations); vector loads when 16-byte aligned.
 static __device__ __forceinline__ void load_chunk(const unsigned short* p, bool aligned, float* v) {
     if (aligned) {
         const uint4 q = *reinterpret_cast<const uint4*>(p);
@@ -63,6 +63,7 @@ static __device__ void project(const float* __restrict__ x, const W* __restrict_
     if (o >= n_out) return;
     const W* wr = w + (long long)o * n_in;
     const bool aligned = (reinterpret_cast<unsigned long long>(wr) % 16) == 0;
+    const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && x_stride % 4 == 0;
     for (int r0 = 0; r0 < t; r0 += T) {  // more than T rows only in the prime class
         const int nr = min(T, t - r0);
         float acc[T];
@@ -75,9 +76,10 @@ static __device__ void project(const float* __restrict__ x, const W* __restrict_
 #pragma unroll
                 for (int r = 0; r < T; ++r) {
                     if (r < nr) {
-                        const float* xr = x + (r0 + r) * x_stride + c;
+                        float xv[CHUNK];
+                        load_chunk(x + (r0 + r) * x_stride + c, x_aligned, xv);  // the same chunk of row r
 #pragma unroll
-                        for (int j = 0; j < CHUNK; ++j) acc[r] = acc[r] + wv[j] * xr[j];
+                        for (int j = 0; j < CHUNK; ++j) acc[r] = acc[r] + wv[j] * xv[j];
                     }
                 }
             } else {  // the row's ragged tail: same order, element by element

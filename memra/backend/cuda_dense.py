@@ -22,7 +22,8 @@ import cupy as cp
 from memra.backend.cuda_runtime import BLOCK, check, f32, i32, launch
 from memra.errors import InputError
 
-OUTS_PER_BLOCK = 8    # dense.cu: one output row per warp, 8 warps per block
+WARPS_PER_BLOCK = 8   # dense.cu: BLOCK / 32
+OUTS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4, 16: 2}  # dense.cu PROJECTIONS_ALL_T: row template -> outputs per warp
 MAX_GRID = 65535 * 32  # elementwise launches: grid-stride loops cover the rest
 INT32_MAX = 2**31 - 1
 
@@ -40,6 +41,11 @@ def _row_template(t: int) -> int:
     """The projection kernel's row template: the smallest of 1, 2, 4, 8, 16 covering min(t, 16)
     (a row's bits never depend on it; it only sizes the accumulators)."""
     return next(T for T in (1, 2, 4, 8, 16) if T >= min(t, 16))
+
+
+def _blocks_for(n_out: int, T: int) -> int:
+    per_block = WARPS_PER_BLOCK * OUTS_PER_WARP[T]
+    return (n_out + per_block - 1) // per_block
 
 
 def _rows_of(x, name: str) -> tuple[int, int]:
@@ -100,8 +106,9 @@ class DenseOps:
         t = x.shape[0]
         out = cp.empty((t, n_out), cp.float32)
         if t and n_out:
-            grid = ((n_out + OUTS_PER_BLOCK - 1) // OUTS_PER_BLOCK,)
-            launch("dense", f"linear_{kind}_t{_row_template(t)}", grid, (BLOCK,),
+            T = _row_template(t)
+            grid = (_blocks_for(n_out, T),)
+            launch("dense", f"linear_{kind}_t{T}", grid, (BLOCK,),
                    (x, w, out, i32(t), i32(n_in), i32(n_out)))
         return out
 
@@ -115,8 +122,9 @@ class DenseOps:
         t = x.shape[0]
         out = cp.empty((t, heads, n_out), cp.float32)
         if t and heads and n_out:
-            grid = ((n_out + OUTS_PER_BLOCK - 1) // OUTS_PER_BLOCK, heads)
-            launch("dense", f"head_linear_{kind}_t{_row_template(t)}", grid, (BLOCK,),
+            T = _row_template(t)
+            grid = (_blocks_for(n_out, T), heads)
+            launch("dense", f"head_linear_{kind}_t{T}", grid, (BLOCK,),
                    (x, w, out, i32(t), i32(n_in), i32(n_out)))
         return out
 

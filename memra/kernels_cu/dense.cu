@@ -52,72 +52,87 @@ static __device__ __forceinline__ void load_chunk(const float* p, bool aligned, 
     }
 }
 
-// y[r, o] = sum_k w[o, k] x[r, k] for r < t (t <= T), o = this warp's row. x rows are x_stride
-// floats apart and y rows y_stride apart (head_linear interleaves heads within a row).
-template <typename W, int T>
+// y[r, o] = sum_k w[o, k] x[r, k] for r < t (t <= T) and this warp's O output rows o. x rows are
+// x_stride floats apart and y rows y_stride apart (head_linear interleaves heads within a row).
+// O > 1 lets one activation load serve O weight rows (multi-row calls are load-bound otherwise);
+// each output's own reduction order is the same for every O.
+template <typename W, int T, int O>
 static __device__ void project(const float* __restrict__ x, const W* __restrict__ w,
                                float* __restrict__ y, int t, int n_in, int n_out,
                                long long x_stride, long long y_stride) {
     const int lane = threadIdx.x % WARP;
-    const int o = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP;
-    if (o >= n_out) return;
-    const W* wr = w + (long long)o * n_in;
-    const bool aligned = (reinterpret_cast<unsigned long long>(wr) % 16) == 0;
+    const int o0 = (blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP) * O;
+    if (o0 >= n_out) return;
+    const int no = min(O, n_out - o0);
+    const W* wr = w + (long long)o0 * n_in;
+    const bool aligned = (reinterpret_cast<unsigned long long>(wr) % 16) == 0 && n_in % CHUNK == 0;
     const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && x_stride % 4 == 0;
     for (int r0 = 0; r0 < t; r0 += T) {  // more than T rows only in the prime class
         const int nr = min(T, t - r0);
-        float acc[T];
+        float acc[T][O];
 #pragma unroll
-        for (int r = 0; r < T; ++r) acc[r] = 0.0f;
+        for (int r = 0; r < T; ++r)
+#pragma unroll
+            for (int q = 0; q < O; ++q) acc[r][q] = 0.0f;
         for (int c = lane * CHUNK; c < n_in; c += STEP) {
             if (c + CHUNK <= n_in) {
-                float wv[CHUNK];
-                load_chunk(wr + c, aligned, wv);
+                float wv[O][CHUNK];
+#pragma unroll
+                for (int q = 0; q < O; ++q)
+                    if (q < no) load_chunk(wr + (long long)q * n_in + c, aligned, wv[q]);
 #pragma unroll
                 for (int r = 0; r < T; ++r) {
                     if (r < nr) {
                         float xv[CHUNK];
                         load_chunk(x + (r0 + r) * x_stride + c, x_aligned, xv);  // the same chunk of row r
 #pragma unroll
-                        for (int j = 0; j < CHUNK; ++j) acc[r] = acc[r] + wv[j] * xv[j];
+                        for (int q = 0; q < O; ++q)
+#pragma unroll
+                            for (int j = 0; j < CHUNK; ++j) acc[r][q] = acc[r][q] + wv[q][j] * xv[j];
                     }
                 }
             } else {  // the row's ragged tail: same order, element by element
                 for (int j = 0; c + j < n_in; ++j) {
-                    const float wv = widen(wr[c + j]);
 #pragma unroll
-                    for (int r = 0; r < T; ++r)
-                        if (r < nr) acc[r] = acc[r] + wv * x[(r0 + r) * x_stride + c + j];
+                    for (int q = 0; q < O; ++q) {
+                        const float wv = q < no ? widen(wr[(long long)q * n_in + c + j]) : 0.0f;
+#pragma unroll
+                        for (int r = 0; r < T; ++r)
+                            if (r < nr) acc[r][q] = acc[r][q] + wv * x[(r0 + r) * x_stride + c + j];
+                    }
                 }
             }
         }
 #pragma unroll
-        for (int r = 0; r < T; ++r) {
-            const float s = warp_sum(acc[r]);
-            if (lane == 0 && r < nr) y[(r0 + r) * y_stride + o] = s;
-        }
+        for (int r = 0; r < T; ++r)
+#pragma unroll
+            for (int q = 0; q < O; ++q) {
+                const float s = warp_sum(acc[r][q]);
+                if (lane == 0 && r < nr && q < no) y[(r0 + r) * y_stride + o0 + q] = s;
+            }
     }
 }
 
-// x [t, in], w [out, in] -> y [t, out]; grid (ceil(out / WARPS_PER_BLOCK)), block MEMRA_BLOCK.
+// x [t, in], w [out, in] -> y [t, out]; grid (ceil(out / (WARPS_PER_BLOCK * O))), block MEMRA_BLOCK.
 // x [t, H, in], w [H, out, in] -> y [t, H, out] for head_linear; grid (.., H).
-// One kernel per weight type and row template T in {1, 2, 4, 8, 16}: the host picks the smallest
-// T >= min(t, 16), which saves registers and never changes a row's bits.
-#define PROJECTIONS(SUFFIX, W, T)                                                                 \
+// One kernel per weight type and row template T in {1, 2, 4, 8, 16}, each with its outputs per
+// warp O (cuda_dense.OUTS_PER_WARP mirrors them): the host picks the smallest T >= min(t, 16).
+// Neither T nor O changes a row's bits; they size the accumulators and the activation reuse.
+#define PROJECTIONS(SUFFIX, W, T, O)                                                              \
     extern "C" __global__ void linear_##SUFFIX##_t##T(const float* x, const W* w, float* y, int t, \
                                                       int n_in, int n_out) {                     \
-        project<W, T>(x, w, y, t, n_in, n_out, n_in, n_out);                                      \
+        project<W, T, O>(x, w, y, t, n_in, n_out, n_in, n_out);                                   \
     }                                                                                             \
     extern "C" __global__ void head_linear_##SUFFIX##_t##T(const float* x, const W* w, float* y,  \
                                                            int t, int n_in, int n_out) {          \
         const long long h = blockIdx.y, heads = gridDim.y;                                        \
-        project<W, T>(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out,          \
-                      heads * n_in, heads * n_out);                                               \
+        project<W, T, O>(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out,       \
+                         heads * n_in, heads * n_out);                                            \
     }
 
 #define PROJECTIONS_ALL_T(SUFFIX, W) \
-    PROJECTIONS(SUFFIX, W, 1) PROJECTIONS(SUFFIX, W, 2) PROJECTIONS(SUFFIX, W, 4) \
-    PROJECTIONS(SUFFIX, W, 8) PROJECTIONS(SUFFIX, W, 16)
+    PROJECTIONS(SUFFIX, W, 1, 1) PROJECTIONS(SUFFIX, W, 2, 2) PROJECTIONS(SUFFIX, W, 4, 4) \
+    PROJECTIONS(SUFFIX, W, 8, 4) PROJECTIONS(SUFFIX, W, 16, 2)
 
 PROJECTIONS_ALL_T(f32, float)
 PROJECTIONS_ALL_T(bf16, unsigned short)

@@ -36,7 +36,7 @@ from memra.spec.philox import TAG_ACCEPT, TAG_DRAW
 from memra.spec.sampling import DenseQ, SamplingParams, SparseQ, filtered_probs
 from memra.spec.session import SpecSession
 
-from .test_sampling_exactness import ReplayBackend, StreamTable, assert_fits, grouped_fit
+from .stats import ReplayBackend, StreamTable, assert_fits, grouped_fit
 
 N_MINI = 700
 N_BIGRAM = 6000

@@ -1,4 +1,5 @@
-"""Random op inputs shared by the backend test tables (numpy reference and CUDA twins).
+"""Shared by the backend test tables (numpy reference and CUDA twins): random op inputs and the
+row-invariance check.
 
 Float32 draws with no subnormals in practice (CuPy compiles with -ftz=true). A `make_*`
 returns `make(rng, t) -> (row inputs with a leading t axis, shared inputs)`.
@@ -36,3 +37,16 @@ def make_norm(shape, weighted=True, bias=False):
             shared["b"] = normal(rng, shape[-1:], 0.2)
         return {"x": normal(rng, (t, *shape), 2.0)}, shared
     return make
+
+
+def mismatched_rows(full: tuple, alone: list[tuple]) -> list[tuple[int, int]]:
+    """(row, output index) pairs where row r of the t-row outputs (host arrays) is not
+    bit-identical to the row computed alone. Shapes and dtypes must agree too."""
+    bad = []
+    for r, single in enumerate(alone):
+        assert len(single) == len(full)
+        for i, (a, b) in enumerate(zip(full, single)):
+            assert b.shape[0] == 1 and a.dtype == b.dtype, (a.dtype, b.dtype, b.shape)
+            if not np.array_equal(a[r], b[0]):
+                bad.append((r, i))
+    return bad

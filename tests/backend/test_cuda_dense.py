@@ -28,7 +28,7 @@ from memra.backend.cuda_dense import DenseOps
 from memra.backend.numpy_ref import NumpyBackend
 from memra.errors import InputError
 from memra.safetensors_io import bf16_to_f32, f32_to_bf16
-from tests.backend.inputs import normal as _normal, make_linear as _make_linear, make_head_linear as _make_head_linear, make_norm as _make_norm
+from tests.backend.inputs import make_head_linear, make_linear, make_norm, normal
 
 F32 = np.float32
 T_MAX = 15  # the exact-class row cap (K <= 14)
@@ -56,7 +56,7 @@ TOLERANCE = {
 
 
 def _bf16(rng, shape, std):
-    return f32_to_bf16(_normal(rng, shape, std))
+    return f32_to_bf16(normal(rng, shape, std))
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Case:
 def _rows(**shapes):
     """Row inputs of the given per-row shapes, N(0, std) with std as the last element."""
     def make(rng, t):
-        return {k: _normal(rng, (t, *s[:-1]), s[-1]) for k, s in shapes.items()}, {}
+        return {k: normal(rng, (t, *s[:-1]), s[-1]) for k, s in shapes.items()}, {}
     return make
 
 
@@ -96,14 +96,14 @@ def _make_embed(weight):
 
 def _make_gated(shape):
     def make(rng, t):
-        rows = {"o": _normal(rng, (t, *shape)), "gate": _normal(rng, (t, *shape), 2.0)}
-        return rows, {"w": (1 + 0.3 * _normal(rng, shape[-1:])).astype(F32)}
+        rows = {"o": normal(rng, (t, *shape)), "gate": normal(rng, (t, *shape), 2.0)}
+        return rows, {"w": (1 + 0.3 * normal(rng, shape[-1:])).astype(F32)}
     return make
 
 
 def _make_swiglu(rng, t):
     # std 8 so that both clamps at limit 10 engage in most rows
-    return {"gate": _normal(rng, (t, 96), 8.0), "up": _normal(rng, (t, 96), 8.0)}, {}
+    return {"gate": normal(rng, (t, 96), 8.0), "up": normal(rng, (t, 96), 8.0)}, {}
 
 
 def _make_argmax_ties(rng, t):
@@ -116,25 +116,25 @@ def _device_ids(be, ids):
 
 
 CASES = [
-    Case("embed", _make_embed(_normal), lambda be, r, s: be.embed(s["table"], r["ids"])),
+    Case("embed", _make_embed(normal), lambda be, r, s: be.embed(s["table"], r["ids"])),
     Case("embed_bf16_device_ids", _make_embed(_bf16),
          lambda be, r, s: be.embed(s["table"], _device_ids(be, r["ids"]))),
-    Case("linear", _make_linear(128, 64), lambda be, r, s: be.linear(r["x"], s["w"])),
-    Case("linear_odd", _make_linear(67, 129), lambda be, r, s: be.linear(r["x"], s["w"])),
-    Case("linear_long_in", _make_linear(515, 70), lambda be, r, s: be.linear(r["x"], s["w"])),
-    Case("linear_bf16", _make_linear(128, 64, _bf16), lambda be, r, s: be.linear(r["x"], s["w"])),
-    Case("linear_bf16_odd", _make_linear(300, 45, _bf16), lambda be, r, s: be.linear(r["x"], s["w"])),
-    Case("head_linear", _make_head_linear(4, 16, 32), lambda be, r, s: be.head_linear(r["x"], s["w"])),
-    Case("head_linear_odd", _make_head_linear(3, 17, 13), lambda be, r, s: be.head_linear(r["x"], s["w"])),
-    Case("head_linear_bf16", _make_head_linear(2, 64, 40, _bf16),
+    Case("linear", make_linear(128, 64), lambda be, r, s: be.linear(r["x"], s["w"])),
+    Case("linear_odd", make_linear(67, 129), lambda be, r, s: be.linear(r["x"], s["w"])),
+    Case("linear_long_in", make_linear(515, 70), lambda be, r, s: be.linear(r["x"], s["w"])),
+    Case("linear_bf16", make_linear(128, 64, _bf16), lambda be, r, s: be.linear(r["x"], s["w"])),
+    Case("linear_bf16_odd", make_linear(300, 45, _bf16), lambda be, r, s: be.linear(r["x"], s["w"])),
+    Case("head_linear", make_head_linear(4, 16, 32), lambda be, r, s: be.head_linear(r["x"], s["w"])),
+    Case("head_linear_odd", make_head_linear(3, 17, 13), lambda be, r, s: be.head_linear(r["x"], s["w"])),
+    Case("head_linear_bf16", make_head_linear(2, 64, 40, _bf16),
          lambda be, r, s: be.head_linear(r["x"], s["w"])),
-    Case("rmsnorm", _make_norm((128,)), lambda be, r, s: be.rmsnorm(r["x"], s["w"], 1e-5)),
-    Case("rmsnorm_per_head", _make_norm((2, 33)), lambda be, r, s: be.rmsnorm(r["x"], s["w"], 1e-5)),
-    Case("rmsnorm_unweighted", _make_norm((256,), weighted=False),
+    Case("rmsnorm", make_norm((128,)), lambda be, r, s: be.rmsnorm(r["x"], s["w"], 1e-5)),
+    Case("rmsnorm_per_head", make_norm((2, 33)), lambda be, r, s: be.rmsnorm(r["x"], s["w"], 1e-5)),
+    Case("rmsnorm_unweighted", make_norm((256,), weighted=False),
          lambda be, r, s: be.rmsnorm(r["x"], None, 1e-5)),
-    Case("rmsnorm_long", _make_norm((1000,)), lambda be, r, s: be.rmsnorm(r["x"], s["w"], 1e-6)),
-    Case("layernorm", _make_norm((16,), bias=True), lambda be, r, s: be.layernorm(r["x"], s["w"], s["b"], 1e-6)),
-    Case("layernorm_odd", _make_norm((301,), bias=True),
+    Case("rmsnorm_long", make_norm((1000,)), lambda be, r, s: be.rmsnorm(r["x"], s["w"], 1e-6)),
+    Case("layernorm", make_norm((16,), bias=True), lambda be, r, s: be.layernorm(r["x"], s["w"], s["b"], 1e-6)),
+    Case("layernorm_odd", make_norm((301,), bias=True),
          lambda be, r, s: be.layernorm(r["x"], s["w"], s["b"], 1e-5)),
     Case("l2norm", _rows(x=(2, 32, 1.0)), lambda be, r, s: be.l2norm(r["x"], 1e-6)),
     Case("l2norm_odd", _rows(x=(1, 129, 1.0)), lambda be, r, s: be.l2norm(r["x"], 1e-6)),
@@ -234,7 +234,7 @@ def test_bf16_weights_widen_exactly(op):
     """The bf16 kernel widens in-kernel and keeps the f32 kernel's order: bit-identical results."""
     rng = np.random.default_rng(4)
     shape = (70, 300) if op == "linear" else (3, 40, 300)
-    x = cp.asarray(_normal(rng, (9, *shape[:-2], shape[-1])))
+    x = cp.asarray(normal(rng, (9, *shape[:-2], shape[-1])))
     w16 = _bf16(rng, shape, 300 ** -0.5)
     ops = DenseOps()
     got = getattr(ops, op)(x, cp.asarray(w16))
@@ -250,20 +250,20 @@ def test_argmax_follows_numpy_on_nan_inf_and_ties():
 
 
 def test_embed_refuses_host_ids_outside_the_vocab():
-    table = cp.asarray(_normal(np.random.default_rng(5), (10, 8)))
+    table = cp.asarray(normal(np.random.default_rng(5), (10, 8)))
     with pytest.raises(InputError, match=r"outside the vocab \[0, 10\)"):
         DenseOps().embed(table, np.array([3, 10]))
 
 
 def test_embed_gives_nan_rows_for_device_ids_outside_the_vocab():
-    table = cp.asarray(_normal(np.random.default_rng(5), (10, 8)))
+    table = cp.asarray(normal(np.random.default_rng(5), (10, 8)))
     out = cp.asnumpy(DenseOps().embed(table, cp.asarray([3, 10, -1])))
     assert np.array_equal(out[0], cp.asnumpy(table)[3]) and np.isnan(out[1:]).all()
 
 
 def test_wrapper_refuses_non_contiguous_or_wrongly_typed_inputs():
     ops = DenseOps()
-    x = cp.asarray(_normal(np.random.default_rng(6), (8, 64)))
+    x = cp.asarray(normal(np.random.default_rng(6), (8, 64)))
     with pytest.raises(AssertionError, match="C-contiguous"):
         ops.rmsnorm(x.T, None, 1e-5)
     with pytest.raises(AssertionError, match="float32"):
@@ -313,7 +313,7 @@ def test_red_arm_split_count_tied_to_t_breaks_row_exactness():
 
 def test_red_arm_one_ulp_change_in_one_gpu_row_is_detected():
     ops = DenseOps()
-    x = cp.asarray(_normal(np.random.default_rng(7), (T_MAX, 64)))
+    x = cp.asarray(normal(np.random.default_rng(7), (T_MAX, 64)))
     full = cp.asnumpy(ops.rmsnorm(x, None, 1e-5))
     alone = [cp.asnumpy(ops.rmsnorm(x[r:r + 1], None, 1e-5)) for r in range(T_MAX)]
     assert all(np.array_equal(full[r], alone[r][0]) for r in range(T_MAX))

@@ -31,7 +31,7 @@ cp = cupy_or_skip()
 
 from memra.backend.cuda_recurrent import RecurrentOps
 from memra.backend.numpy_ref import NumpyBackend
-from tests.backend.inputs import normal as _normal, uniform as _uniform
+from tests.backend.inputs import mismatched_rows, normal, uniform
 
 F32 = np.float32
 T_MAX = 15  # the exact-class row cap (K <= 14)
@@ -69,9 +69,9 @@ class Case:
 
 def _hc_weights_case(n, d, iters):
     def make(rng, t):
-        shared = {"fn": _normal(rng, ((2 + n) * n, n * d), 2.0 / np.sqrt(n * d)),
-                  "base": _normal(rng, ((2 + n) * n,), 0.5), "scale": _uniform(rng, (3,), 0.5, 1.5)}
-        return {"streams": _normal(rng, (t, n, d))}, shared, None
+        shared = {"fn": normal(rng, ((2 + n) * n, n * d), 2.0 / np.sqrt(n * d)),
+                  "base": normal(rng, ((2 + n) * n,), 0.5), "scale": uniform(rng, (3,), 0.5, 1.5)}
+        return {"streams": normal(rng, (t, n, d))}, shared, None
 
     def call(be, r, s, _):
         return be.hc_weights(r["streams"], s["fn"], s["base"], s["scale"], 1e-5, 1e-6, iters)
@@ -80,33 +80,33 @@ def _hc_weights_case(n, d, iters):
 
 def _hc_collapse_case(n, d):
     def make(rng, t):
-        return {"streams": _normal(rng, (t, n, d)), "pre": _uniform(rng, (t, n), 0.0, 1.0)}, {}, None
+        return {"streams": normal(rng, (t, n, d)), "pre": uniform(rng, (t, n), 0.0, 1.0)}, {}, None
     return make, lambda be, r, s, _: (be.hc_collapse(r["streams"], r["pre"]),)
 
 
 def _hc_combine_case(n, d):
     def make(rng, t):
-        rows = {"streams": _normal(rng, (t, n, d)), "f": _normal(rng, (t, d)),
-                "post": _uniform(rng, (t, n), 0.0, 2.0), "comb": _uniform(rng, (t, n, n), 0.0, 0.5)}
+        rows = {"streams": normal(rng, (t, n, d)), "f": normal(rng, (t, d)),
+                "post": uniform(rng, (t, n), 0.0, 2.0), "comb": uniform(rng, (t, n, n), 0.0, 0.5)}
         return rows, {}, None
     return make, lambda be, r, s, _: (be.hc_combine(r["streams"], r["f"], r["post"], r["comb"]),)
 
 
 def _stream_mean_case(n, d):
-    return (lambda rng, t: ({"streams": _normal(rng, (t, n, d))}, {}, None),
+    return (lambda rng, t: ({"streams": normal(rng, (t, n, d))}, {}, None),
             lambda be, r, s, _: (be.stream_mean(r["streams"]),))
 
 
 def _kda_gate_case(hk, dk, lower_bound):
     def make(rng, t):
-        shared = {"a_log": _uniform(rng, (hk,), 0.0, np.log(16.0)), "dt_bias": _normal(rng, (hk, dk), 0.5)}
-        return {"f": _normal(rng, (t, hk, dk), 2.0)}, shared, None
+        shared = {"a_log": uniform(rng, (hk,), 0.0, np.log(16.0)), "dt_bias": normal(rng, (hk, dk), 0.5)}
+        return {"f": normal(rng, (t, hk, dk), 2.0)}, shared, None
     return make, lambda be, r, s, _: (be.kda_gate(r["f"], s["a_log"], s["dt_bias"], lower_bound),)
 
 
 def _short_conv_case(c, k):
     def make(rng, t):  # the ring starts with history, as mid-sequence
-        return {"x": _normal(rng, (t, c))}, {"w": _normal(rng, (c, k), 0.5)}, _normal(rng, (k - 1, c))
+        return {"x": normal(rng, (t, c))}, {"w": normal(rng, (c, k), 0.5)}, normal(rng, (k - 1, c))
     return make, lambda be, r, s, ring: (be.short_conv(r["x"], ring, s["w"]),)
 
 
@@ -116,10 +116,10 @@ def _unit(a):
 
 def _kda_recurrence_case(hk, dk, dv):
     def make(rng, t):  # q, k as the mixer makes them: L2-normalised, q scaled by dk^-0.5
-        rows = {"q": (_unit(_normal(rng, (t, hk, dk))) * F32(dk ** -0.5)).astype(F32),
-                "k": _unit(_normal(rng, (t, hk, dk))), "v": _normal(rng, (t, hk, dv)),
-                "g": _uniform(rng, (t, hk, dk), -5.0, -0.01), "beta": _uniform(rng, (t, hk), 0.05, 0.95)}
-        return rows, {}, _normal(rng, (hk, dk, dv), 0.3)
+        rows = {"q": (_unit(normal(rng, (t, hk, dk))) * F32(dk ** -0.5)).astype(F32),
+                "k": _unit(normal(rng, (t, hk, dk))), "v": normal(rng, (t, hk, dv)),
+                "g": uniform(rng, (t, hk, dk), -5.0, -0.01), "beta": uniform(rng, (t, hk), 0.05, 0.95)}
+        return rows, {}, normal(rng, (hk, dk, dv), 0.3)
 
     def call(be, r, s, state):
         return (be.kda_recurrence(r["q"], r["k"], r["v"], r["g"], r["beta"], state),)
@@ -192,17 +192,6 @@ def test_op_matches_numpy_reference_within_its_bound(case, t):
 
 # ---- 2. row invariance, bit for bit ---------------------------------------------------------------
 
-def _mismatched_rows(full: tuple, alone: list[tuple]) -> list[tuple[int, int]]:
-    """(row, output index) pairs where row r of the t-row outputs is not bit-identical to the
-    one-row result; host arrays."""
-    bad = []
-    for r, single in enumerate(alone):
-        assert len(single) == len(full)
-        for i, (a, b) in enumerate(zip(full, single)):
-            assert b.shape[0] == 1 and a.dtype == b.dtype, (a.dtype, b.dtype, b.shape)
-            if not np.array_equal(a[r], b[0]):
-                bad.append((r, i))
-    return bad
 
 
 @pytest.mark.parametrize("t", range(1, T_MAX + 1))
@@ -213,7 +202,7 @@ def test_row_of_t_row_call_is_bit_identical_to_row_alone(case, t):
     full = _host(case.call(ops, rows, shared, None))
     alone = [_host(case.call(ops, _rows(rows, r), shared, None)) for r in range(t)]
     assert all(o.shape[0] == t for o in full)
-    assert _mismatched_rows(full, alone) == []
+    assert mismatched_rows(full, alone) == []
 
 
 @pytest.mark.parametrize("t", range(1, T_MAX + 1))
@@ -224,7 +213,7 @@ def test_stateful_t_row_call_equals_t_successive_one_row_calls(case, t):
     state_full, state_step = cp.asarray(state0), cp.asarray(state0)
     full = _host(case.call(ops, rows, shared, state_full))
     steps = [_host(case.call(ops, _rows(rows, r), shared, state_step)) for r in range(t)]
-    assert _mismatched_rows(full, steps) == []
+    assert mismatched_rows(full, steps) == []
     assert np.array_equal(cp.asnumpy(state_full), cp.asnumpy(state_step))
     if state0.size:  # the K=1 conv has an empty ring
         assert not np.array_equal(cp.asnumpy(state_full), state0)  # the state really advanced
@@ -265,12 +254,12 @@ def _split_dot(x, w, threads: int):
 def _split_dot_failures(split_for_t: Callable[[int], int]) -> list[int]:
     """Row counts t for which the t-row launch differs bitwise from the rows launched alone."""
     rng = np.random.default_rng(5)
-    x, w = cp.asarray(_normal(rng, (T_MAX, 4096))), cp.asarray(_normal(rng, (4096,)))
+    x, w = cp.asarray(normal(rng, (T_MAX, 4096))), cp.asarray(normal(rng, (4096,)))
     failing = []
     for t in range(1, T_MAX + 1):
         full = _split_dot(x[:t], w, split_for_t(t))
         alone = [_split_dot(x[r:r + 1], w, split_for_t(1)) for r in range(t)]
-        if _mismatched_rows(full, alone):
+        if mismatched_rows(full, alone):
             failing.append(t)
     return failing
 
@@ -290,9 +279,9 @@ def test_red_arm_one_ulp_change_in_one_kda_row_is_detected():
     full = _host(case.call(ops, rows, shared, cp.asarray(state0)))
     state = cp.asarray(state0)
     steps = [_host(case.call(ops, _rows(rows, r), shared, state)) for r in range(T_MAX)]
-    assert _mismatched_rows(full, steps) == []
+    assert mismatched_rows(full, steps) == []
     steps[9][0][0, 1, 7] = np.nextafter(steps[9][0][0, 1, 7], F32(np.inf))
-    assert _mismatched_rows(full, steps) == [(9, 0)]
+    assert mismatched_rows(full, steps) == [(9, 0)]
 
 
 # ---- the table covers the family; the wrappers guard their kernels --------------------------------

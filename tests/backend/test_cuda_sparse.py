@@ -25,7 +25,7 @@ cp = cupy_or_skip()
 from memra.backend.cuda_sparse import SparseOps
 from memra.backend.numpy_ref import NumpyBackend
 from memra.safetensors_io import bf16_to_f32, f32_to_bf16
-from tests.backend.inputs import normal as _normal, uniform as _uniform
+from tests.backend.inputs import normal, uniform
 
 F32 = np.float32
 T_MAX = 15  # the exact-class row cap
@@ -63,8 +63,8 @@ def _same_bits(a, b) -> bool:
 # ---- inputs ------------------------------------------------------------------------------------
 
 def _compress_args(rng, npool, di):
-    keys, gates = _normal(rng, (npool, POOL, di)), _normal(rng, (npool, POOL, di))
-    return (keys, gates, _normal(rng, (POOL, di), 0.5)), None
+    keys, gates = normal(rng, (npool, POOL, di)), normal(rng, (npool, POOL, di))
+    return (keys, gates, normal(rng, (POOL, di), 0.5)), None
 
 
 def _select_gap(q, w, pool_keys, pos0, scale) -> float:
@@ -86,9 +86,9 @@ def _select_args(rng, t, hi, di, pos0):
     Mostly positive dots (uniform, shifted) so relu rarely ties pools at exactly zero."""
     scale = di ** -0.5
     for _ in range(1000):
-        q = _uniform(rng, (t, hi, di), -0.25, 1.0)
-        w = (_uniform(rng, (t, hi), 0.2, 1.0) * F32(hi ** -0.5)).astype(F32)
-        pool_keys = _uniform(rng, (PLANE // POOL + 1, di), -0.25, 1.0)
+        q = uniform(rng, (t, hi, di), -0.25, 1.0)
+        w = (uniform(rng, (t, hi), 0.2, 1.0) * F32(hi ** -0.5)).astype(F32)
+        pool_keys = uniform(rng, (PLANE // POOL + 1, di), -0.25, 1.0)
         if _select_gap(q, w, pool_keys, pos0, scale) > MARGIN:
             return (q, w, pool_keys, pos0, POOL, BUDGET, WIDTH, scale), None
     raise AssertionError("no kpool_select input with a clear selection margin")
@@ -97,7 +97,7 @@ def _select_args(rng, t, hi, di, pos0):
 def _mla_args(rng, t, h, rank, pos0):
     sel, _ = _select_args(rng, t, 2, 8, pos0)
     positions = REF.kpool_select(*sel)  # realistic lists: pools, tail, -1 padding
-    q_lat, latent = _normal(rng, (t, h, rank)), _normal(rng, (PLANE, rank))
+    q_lat, latent = normal(rng, (t, h, rank)), normal(rng, (PLANE, rank))
     return (q_lat, latent, positions, F32(rank ** -0.5)), None
 
 
@@ -122,8 +122,8 @@ def _route_gap(x, w_gate, bias, n_group, topk_group, k) -> float:
 
 def _route_args(rng, t, d, e, n_group, topk_group, k, renormalize=True):
     for _ in range(1000):
-        x, w_gate = _normal(rng, (t, d)), _normal(rng, (e, d), d ** -0.5)
-        bias = _uniform(rng, (e,), -0.1, 0.1)
+        x, w_gate = normal(rng, (t, d)), normal(rng, (e, d), d ** -0.5)
+        bias = uniform(rng, (e,), -0.1, 0.1)
         if _route_gap(x, w_gate, bias, n_group, topk_group, k) > MARGIN:
             return (x, w_gate, bias, n_group, topk_group, k, renormalize, 2.5), None
     raise AssertionError("no moe_route input with a clear selection margin")
@@ -131,9 +131,9 @@ def _route_args(rng, t, d, e, n_group, topk_group, k, renormalize=True):
 
 def _experts_args(rng, t, e, inter, d, k, bf16=False, limit=10.0):
     idx = np.sort(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), axis=1)
-    x, wts = _normal(rng, (t, d)), _uniform(rng, (t, k), 0.1, 2.5)
-    mats = [_normal(rng, (e, inter, d), d ** -0.5), _normal(rng, (e, inter, d), d ** -0.5),
-            _normal(rng, (e, d, inter), inter ** -0.5)]
+    x, wts = normal(rng, (t, d)), uniform(rng, (t, k), 0.1, 2.5)
+    mats = [normal(rng, (e, inter, d), d ** -0.5), normal(rng, (e, inter, d), d ** -0.5),
+            normal(rng, (e, d, inter), inter ** -0.5)]
     if not bf16:
         return (x, idx.astype(np.int64), wts, *mats, limit), None
     bits = [f32_to_bf16(m) for m in mats]  # the device keeps the bits; the reference widens
@@ -299,7 +299,7 @@ extern "C" __global__ void logits_split_by_t(const float* x, const float* w, flo
 def test_red_arm_a_split_count_that_follows_t_is_caught():
     kern = cp.RawKernel(_SPLIT_BY_T, "logits_split_by_t", options=("--std=c++17", "--fmad=false"))
     rng = _rng("red")
-    x, w = cp.asarray(_normal(rng, (T_MAX, 128))), cp.asarray(_normal(rng, (8, 128), 128 ** -0.5))
+    x, w = cp.asarray(normal(rng, (T_MAX, 128))), cp.asarray(normal(rng, (8, 128), 128 ** -0.5))
 
     def call(rows):
         xs = x[rows]

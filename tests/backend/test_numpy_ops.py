@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from memra.backend.numpy_ref import NumpyBackend
-from tests.backend.inputs import normal as _normal, uniform as _uniform, make_linear as _make_linear, make_head_linear as _make_head_linear, make_norm as _make_norm
+from tests.backend.inputs import make_head_linear, make_linear, make_norm, mismatched_rows, normal, uniform
 
 F32 = np.float32
 T_MAX = 15  # the exact-class row cap (K <= 14)
@@ -54,12 +54,12 @@ def _as_tuple(out):
 def _make_rows_only(**shapes):
     """Row inputs of the given per-row shapes, N(0, std) with std given as the last element."""
     def make(rng, t):
-        return {k: _normal(rng, (t, *s[:-1]), s[-1]) for k, s in shapes.items()}, {}
+        return {k: normal(rng, (t, *s[:-1]), s[-1]) for k, s in shapes.items()}, {}
     return make
 
 
 def _make_embed(rng, t):
-    return {"ids": rng.integers(0, 97, t)}, {"table": _normal(rng, (97, 128))}
+    return {"ids": rng.integers(0, 97, t)}, {"table": normal(rng, (97, 128))}
 
 
 
@@ -69,13 +69,13 @@ def _make_embed(rng, t):
 
 
 def _make_gated_rmsnorm(rng, t):
-    rows = {"o": _normal(rng, (t, 2, 32)), "gate": _normal(rng, (t, 2, 32), 2.0)}
-    return rows, {"w": (1 + 0.3 * _normal(rng, (32,))).astype(F32)}
+    rows = {"o": normal(rng, (t, 2, 32)), "gate": normal(rng, (t, 2, 32), 2.0)}
+    return rows, {"w": (1 + 0.3 * normal(rng, (32,))).astype(F32)}
 
 
 def _make_swiglu(rng, t):
     # std 8 so that both clamps at limit 10 engage in most rows
-    return {"gate": _normal(rng, (t, 96), 8.0), "up": _normal(rng, (t, 96), 8.0)}, {}
+    return {"gate": normal(rng, (t, 96), 8.0), "up": normal(rng, (t, 96), 8.0)}, {}
 
 
 def _make_argmax(rng, t):
@@ -84,46 +84,46 @@ def _make_argmax(rng, t):
 
 
 def _make_kda_gate(rng, t):
-    rows = {"f": _normal(rng, (t, 2, 32), 2.0)}
-    return rows, {"a_log": _uniform(rng, (2,), 0.0, np.log(16.0)), "dt_bias": _normal(rng, (2, 32), 0.5)}
+    rows = {"f": normal(rng, (t, 2, 32), 2.0)}
+    return rows, {"a_log": uniform(rng, (2,), 0.0, np.log(16.0)), "dt_bias": normal(rng, (2, 32), 0.5)}
 
 
 def _make_hc_weights(rng, t):
     n, d = 4, 64
-    shared = {"fn": _normal(rng, ((2 + n) * n, n * d), 2.0 / np.sqrt(n * d)),
-              "base": _normal(rng, ((2 + n) * n,), 0.5), "scale": _uniform(rng, (3,), 0.5, 1.5)}
-    return {"streams": _normal(rng, (t, n, d))}, shared
+    shared = {"fn": normal(rng, ((2 + n) * n, n * d), 2.0 / np.sqrt(n * d)),
+              "base": normal(rng, ((2 + n) * n,), 0.5), "scale": uniform(rng, (3,), 0.5, 1.5)}
+    return {"streams": normal(rng, (t, n, d))}, shared
 
 
 def _make_hc_collapse(rng, t):
-    return {"streams": _normal(rng, (t, 4, 64)), "pre": _uniform(rng, (t, 4), 0.0, 1.0)}, {}
+    return {"streams": normal(rng, (t, 4, 64)), "pre": uniform(rng, (t, 4), 0.0, 1.0)}, {}
 
 
 def _make_hc_combine(rng, t):
-    rows = {"streams": _normal(rng, (t, 4, 64)), "f": _normal(rng, (t, 64)),
-            "post": _uniform(rng, (t, 4), 0.0, 2.0), "comb": _uniform(rng, (t, 4, 4), 0.0, 0.5)}
+    rows = {"streams": normal(rng, (t, 4, 64)), "f": normal(rng, (t, 64)),
+            "post": uniform(rng, (t, 4), 0.0, 2.0), "comb": uniform(rng, (t, 4, 4), 0.0, 0.5)}
     return rows, {}
 
 
 def _make_kpool_compress(rng, t):
-    rows = {"keys": _normal(rng, (t, 4, 16)), "gates": _normal(rng, (t, 4, 16))}
-    return rows, {"ape": _normal(rng, (4, 16), 0.5)}
+    rows = {"keys": normal(rng, (t, 4, 16)), "gates": normal(rng, (t, 4, 16))}
+    return rows, {"ape": normal(rng, (4, 16), 0.5)}
 
 
 def _make_moe_route(d, e, n_group):
     def make(rng, t):
-        shared = {"w_gate": _normal(rng, (e, d), d ** -0.5), "bias": _uniform(rng, (e,), -0.1, 0.1),
+        shared = {"w_gate": normal(rng, (e, d), d ** -0.5), "bias": uniform(rng, (e,), -0.1, 0.1),
                   "n_group": n_group}
-        return {"x": _normal(rng, (t, d))}, shared
+        return {"x": normal(rng, (t, d))}, shared
     return make
 
 
 def _make_moe_experts(rng, t):
     e, i, d = 8, 32, 64
     idx = np.sort(np.stack([rng.choice(e, 2, replace=False) for _ in range(t)]), axis=1)
-    rows = {"x": _normal(rng, (t, d)), "idx": idx, "wts": _uniform(rng, (t, 2), 0.1, 2.5)}
-    shared = {"gate_w": _normal(rng, (e, i, d), d ** -0.5), "up_w": _normal(rng, (e, i, d), d ** -0.5),
-              "down_w": _normal(rng, (e, d, i), i ** -0.5)}
+    rows = {"x": normal(rng, (t, d)), "idx": idx, "wts": uniform(rng, (t, 2), 0.1, 2.5)}
+    shared = {"gate_w": normal(rng, (e, i, d), d ** -0.5), "up_w": normal(rng, (e, i, d), d ** -0.5),
+              "down_w": normal(rng, (e, d, i), i ** -0.5)}
     return rows, shared
 
 
@@ -138,29 +138,29 @@ def _make_mla_attend(rng, t):
         p = 25 + r
         n = rng.integers(1, MLA_WIDTH + 1)
         positions[r, :n] = np.sort(rng.choice(p + 1, n, replace=False))
-    rows = {"q_lat": _normal(rng, (t, 4, 32)), "positions": positions}
-    return rows, {"latent": _normal(rng, (MLA_LEN, 32))}
+    rows = {"q_lat": normal(rng, (t, 4, 32)), "positions": positions}
+    return rows, {"latent": normal(rng, (MLA_LEN, 32))}
 
 
 KPOOL_POS0 = 5  # rows 5..19: n = (p+1)//4 runs 1..5 pools, so dense and sparse rows mix (G=2)
 
 
 def _make_kpool_select(rng, t):
-    rows = {"q": _normal(rng, (t, 4, 16)), "w": _normal(rng, (t, 4), 0.5)}
-    return rows, {"pool_keys": _normal(rng, (6, 16))}
+    rows = {"q": normal(rng, (t, 4, 16)), "w": normal(rng, (t, 4), 0.5)}
+    return rows, {"pool_keys": normal(rng, (6, 16))}
 
 
 ROW_CASES = [
     _case("embed", _make_embed, lambda be, r, s, _: be.embed(s["table"], r["ids"])),
-    _case("linear", _make_linear(128, 64), lambda be, r, s, _: be.linear(r["x"], s["w"])),
-    _case("linear_odd", _make_linear(67, 129), lambda be, r, s, _: be.linear(r["x"], s["w"])),
-    _case("head_linear", _make_head_linear(4, 16, 32), lambda be, r, s, _: be.head_linear(r["x"], s["w"])),
-    _case("head_linear_odd", _make_head_linear(3, 17, 13), lambda be, r, s, _: be.head_linear(r["x"], s["w"])),
-    _case("rmsnorm", _make_norm((128,)), lambda be, r, s, _: be.rmsnorm(r["x"], s["w"], 1e-5)),
-    _case("rmsnorm_per_head", _make_norm((2, 33)), lambda be, r, s, _: be.rmsnorm(r["x"], s["w"], 1e-5)),
-    _case("rmsnorm_unweighted", _make_norm((256,), weighted=False),
+    _case("linear", make_linear(128, 64), lambda be, r, s, _: be.linear(r["x"], s["w"])),
+    _case("linear_odd", make_linear(67, 129), lambda be, r, s, _: be.linear(r["x"], s["w"])),
+    _case("head_linear", make_head_linear(4, 16, 32), lambda be, r, s, _: be.head_linear(r["x"], s["w"])),
+    _case("head_linear_odd", make_head_linear(3, 17, 13), lambda be, r, s, _: be.head_linear(r["x"], s["w"])),
+    _case("rmsnorm", make_norm((128,)), lambda be, r, s, _: be.rmsnorm(r["x"], s["w"], 1e-5)),
+    _case("rmsnorm_per_head", make_norm((2, 33)), lambda be, r, s, _: be.rmsnorm(r["x"], s["w"], 1e-5)),
+    _case("rmsnorm_unweighted", make_norm((256,), weighted=False),
           lambda be, r, s, _: be.rmsnorm(r["x"], None, 1e-5)),
-    _case("layernorm", _make_norm((16,), bias=True), lambda be, r, s, _: be.layernorm(r["x"], s["w"], s["b"], 1e-6)),
+    _case("layernorm", make_norm((16,), bias=True), lambda be, r, s, _: be.layernorm(r["x"], s["w"], s["b"], 1e-6)),
     _case("l2norm", _make_rows_only(x=(2, 32, 1.0)), lambda be, r, s, _: be.l2norm(r["x"], 1e-6)),
     _case("l2norm_odd", _make_rows_only(x=(1, 129, 1.0)), lambda be, r, s, _: be.l2norm(r["x"], 1e-6)),
     _case("gated_rmsnorm", _make_gated_rmsnorm, lambda be, r, s, _: be.gated_rmsnorm(r["o"], r["gate"], s["w"], 1e-5)),
@@ -197,17 +197,6 @@ ROW_CASES = [
 
 # ---- the check ------------------------------------------------------------------------------
 
-def _mismatched_rows(full: tuple, alone: list[tuple]) -> list[tuple[int, int]]:
-    """(row, output index) pairs where row r of the t-row outputs is not bit-identical to the
-    row computed alone. Shapes and dtypes must agree too."""
-    bad = []
-    for r, single in enumerate(alone):
-        assert len(single) == len(full)
-        for i, (a, b) in enumerate(zip(full, single)):
-            assert b.shape[0] == 1 and a.dtype == b.dtype, (a.dtype, b.dtype, b.shape)
-            if not np.array_equal(a[r], b[0]):
-                bad.append((r, i))
-    return bad
 
 
 def _row_invariance_failures(be, case: RowCase, t: int, seed: int = 0):
@@ -216,7 +205,7 @@ def _row_invariance_failures(be, case: RowCase, t: int, seed: int = 0):
     alone = [case.call(be, {k: v[r:r + 1] for k, v in rows.items()}, shared, r) for r in range(t)]
     for out in full:
         assert out.shape[0] == t
-    return _mismatched_rows(full, alone)
+    return mismatched_rows(full, alone)
 
 
 @pytest.mark.parametrize("t", ROW_COUNTS)
@@ -239,8 +228,8 @@ def test_row_table_covers_every_row_op_of_the_backend():
 
 def _short_conv_case(rng, t):
     c, k = 3 * 64, 4
-    inputs = {"x": _normal(rng, (t, c))}
-    return inputs, {"w": _normal(rng, (c, k), 0.5)}, _normal(rng, (k - 1, c))  # ring with history
+    inputs = {"x": normal(rng, (t, c))}
+    return inputs, {"w": normal(rng, (c, k), 0.5)}, normal(rng, (k - 1, c))  # ring with history
 
 
 def _kda_recurrence_case(rng, t):
@@ -249,10 +238,10 @@ def _kda_recurrence_case(rng, t):
     def unit(a):
         return (a / np.sqrt((a * a).sum(-1, keepdims=True) + F32(1e-6))).astype(F32)
 
-    inputs = {"q": (unit(_normal(rng, (t, hk, dk))) * F32(dk ** -0.5)).astype(F32),
-              "k": unit(_normal(rng, (t, hk, dk))), "v": _normal(rng, (t, hk, dk)),
-              "g": _uniform(rng, (t, hk, dk), -5.0, -0.01), "beta": _uniform(rng, (t, hk), 0.05, 0.95)}
-    return inputs, {}, _normal(rng, (hk, dk, dk), 0.3)
+    inputs = {"q": (unit(normal(rng, (t, hk, dk))) * F32(dk ** -0.5)).astype(F32),
+              "k": unit(normal(rng, (t, hk, dk))), "v": normal(rng, (t, hk, dk)),
+              "g": uniform(rng, (t, hk, dk), -5.0, -0.01), "beta": uniform(rng, (t, hk), 0.05, 0.95)}
+    return inputs, {}, normal(rng, (hk, dk, dk), 0.3)
 
 
 STATEFUL = {
@@ -271,7 +260,7 @@ def test_stateful_t_row_call_equals_t_successive_single_row_calls(op, t):
     state_full, state_step = state0.copy(), state0.copy()
     full = call(be, inputs, shared, state_full)
     steps = [call(be, {k: v[r:r + 1] for k, v in inputs.items()}, shared, state_step) for r in range(t)]
-    assert _mismatched_rows((full,), [(s,) for s in steps]) == []
+    assert mismatched_rows((full,), [(s,) for s in steps]) == []
     assert np.array_equal(state_full, state_step)
     assert not np.array_equal(state_full, state0)  # the state really advanced
 
@@ -294,11 +283,11 @@ def test_red_arm_batched_gemm_linear_breaks_row_invariance(case):
 
 def test_red_arm_one_ulp_change_in_one_row_is_detected():
     rng = np.random.default_rng(7)
-    full = (_normal(rng, (15, 64)),)
+    full = (normal(rng, (15, 64)),)
     alone = [(full[0][r:r + 1].copy(),) for r in range(15)]
-    assert _mismatched_rows(full, alone) == []
+    assert mismatched_rows(full, alone) == []
     alone[9][0][0, 31] = np.nextafter(alone[9][0][0, 31], F32(np.inf))
-    assert _mismatched_rows(full, alone) == [(9, 0)]
+    assert mismatched_rows(full, alone) == [(9, 0)]
 
 
 # ---- saturation ---------------------------------------------------------------------------------

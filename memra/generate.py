@@ -16,7 +16,7 @@ import numpy as np
 
 from memra.errors import InputError
 from memra.spec.metrics import SpecMetrics
-from memra.spec.sampling import SampleStreams, SamplingParams, filtered_probs
+from memra.spec.sampling import SampleStreams, SamplingParams, filtered_probs, refuse_penalties
 
 
 @dataclass
@@ -38,6 +38,7 @@ def sampled(model, prompt_ids, max_new_tokens: int, sampling: SamplingParams, eo
     """Plain sampled decoding: each token drawn from the filtered target distribution, on the
     same Philox draw stream (counter sctr) a speculative session uses."""
     _check_count(max_new_tokens)
+    refuse_penalties(sampling)
     return _plain(model, prompt_ids, max_new_tokens, _sampler(model, sampling), eos_ids)[0]
 
 
@@ -58,9 +59,7 @@ def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, n
     _check_count(max_new_tokens)
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise InputError("sampling must be a memra.SamplingParams (or None for greedy)")
-    if sampling is not None and sampling.penalised:
-        raise InputError("repetition/presence/frequency penalties are not supported (greedy or sampled): "
-                         "drop them")
+    refuse_penalties(sampling)
     if sampling is not None and sampling.greedy:
         sampling = None
     eos = tuple(int(e) for e in eos)
@@ -116,8 +115,6 @@ def _argmax(logits) -> int:
 
 
 def _sampler(model, sampling: SamplingParams):
-    if sampling.penalised:
-        raise InputError("repetition/presence/frequency penalties are not supported: drop them")
     streams = SampleStreams(model.be, sampling.seed)
     return lambda logits: streams.draw(filtered_probs(logits, sampling))
 

@@ -64,6 +64,14 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+def refuse_penalties(sp: SamplingParams | None) -> None:
+    """memra has no penalty arm, greedy or sampled: a penalised request is refused, never run
+    without its penalties."""
+    if sp is not None and sp.penalised:
+        raise InputError("repetition/presence/frequency penalties are not supported (greedy or sampled): "
+                         "drop them")
+
+
 def filtered_probs(logits, sp: SamplingParams) -> np.ndarray:
     """The filtered distribution of one logits row (float64 [V], zeros outside the kept set)."""
     z = np.asarray(logits, dtype=np.float64) / sp.temperature

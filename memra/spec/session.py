@@ -20,7 +20,8 @@ from memra.errors import InputError
 from memra.model.trunk import VERIFY_CAP
 from memra.spec.accept import conf_keep, greedy_accept
 from memra.spec.metrics import SpecMetrics
-from memra.spec.sampling import DraftSampling, SampleStreams, SamplingParams, accept_walk, filtered_probs
+from memra.spec.sampling import (DraftSampling, SampleStreams, SamplingParams, accept_walk, filtered_probs,
+                                 refuse_penalties)
 
 MAX_K = VERIFY_CAP - 1
 
@@ -44,10 +45,8 @@ class SpecSession:
         if len(prompt) + 4 > max_ctx:
             raise InputError(f"max_ctx {max_ctx} leaves no room for the prompt ({len(prompt)}) plus one "
                              "verify round; raise max_ctx")
+        refuse_penalties(sampling)
         self.sampling = None if sampling is None or sampling.greedy else sampling
-        if self.sampling is not None and self.sampling.penalised:
-            raise InputError("speculative decoding has no penalty arm: repetition/presence/frequency "
-                             "penalties are refused; drop them or decode without a draft source")
         self.model, self.drafter = model, drafter
         self.instruments = instruments or GateInstruments()
         self.p_min, self.pmin0 = self.instruments.pmin_override or (p_min, pmin0)

@@ -192,6 +192,13 @@ def test_penalised_greedy_is_refused_too(mini, draft):
         generate(mini, PROMPT, 4, draft=draft, sampling=SamplingParams(temperature=0, repetition_penalty=1.3))
 
 
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_session_opened_directly_refuses_penalties_too(mini, temperature):
+    with pytest.raises(InputError, match="penalt"):
+        SpecSession(mini, PROMPT, load_drafter("native-mtp", mini), 64,
+                    sampling=SamplingParams(temperature=temperature, presence_penalty=0.5))
+
+
 # ---- a bigram target: many sessions ---------------------------------------------------------------------
 BV = 6
 BRNG = np.random.default_rng(11)

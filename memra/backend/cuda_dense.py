@@ -6,8 +6,9 @@ meaning of its twin in `NumpyBackend` (numpy_ref.py) and takes and returns cupy 
 
 All ops are exact class (DESIGN.md section 2): the kernels in kernels_cu/dense.cu and norm.cu
 fix each output's reduction order independently of the row count, so row r of a t-row call is
-bit-identical to the row alone. Projection weights may be float32 or raw bf16 bits (uint16),
-widened in-kernel; each weight is read once per call for all rows (up to 16).
+bit-identical to the row alone. Projection weights may be float32 (CUDA cores) or raw bf16 bits
+(uint16: tensor cores on exact bf16 pieces of the activations, kernels_cu/exact_mma.cuh); each
+weight is read once per call for all rows (up to 16).
 
     ops = DenseOps()
     y = ops.linear(cp.asarray(x, cp.float32), w_bf16)   # x [t, in], w [out, in] -> [t, out]
@@ -23,7 +24,8 @@ from memra.backend.cuda_runtime import BLOCK, check, f32, i32, launch
 from memra.errors import InputError
 
 WARPS_PER_BLOCK = 8   # dense.cu: BLOCK / 32
-OUTS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4, 16: 2}  # dense.cu PROJECTIONS_ALL_T: row template -> outputs per warp
+OUTS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4, 16: 2}  # dense.cu PROJECTIONS: f32 row template -> outputs per warp
+BF16_OUTS = 32  # dense.cu: outputs per block of the bf16 (tensor-core) projections
 MAX_GRID = 65535 * 32  # elementwise launches: grid-stride loops cover the rest
 INT32_MAX = 2**31 - 1
 
@@ -37,15 +39,15 @@ def _weight_kind(w, name: str) -> str:
     return "f32"
 
 
-def _row_template(t: int) -> int:
-    """The projection kernel's row template: the smallest of 1, 2, 4, 8, 16 covering min(t, 16)
-    (a row's bits never depend on it; it only sizes the accumulators)."""
-    return next(T for T in (1, 2, 4, 8, 16) if T >= min(t, 16))
-
-
-def _blocks_for(n_out: int, T: int) -> int:
+def projection(kind: str, t: int, n_out: int) -> tuple[str, int]:
+    """(kernel name suffix, blocks along the outputs) for a t-row projection. float32 weights:
+    row template T, the smallest of 1, 2, 4, 8, 16 covering min(t, 16); bf16 weights: n1 (8 rows
+    per pass) for t <= 8, else n2. A row's bits never depend on the pick, only the registers."""
+    if kind == "bf16":
+        return f"bf16_n{1 if t <= 8 else 2}", (n_out + BF16_OUTS - 1) // BF16_OUTS
+    T = next(T for T in (1, 2, 4, 8, 16) if T >= min(t, 16))
     per_block = WARPS_PER_BLOCK * OUTS_PER_WARP[T]
-    return (n_out + per_block - 1) // per_block
+    return f"f32_t{T}", (n_out + per_block - 1) // per_block
 
 
 def _rows_of(x, name: str) -> tuple[int, int]:
@@ -106,9 +108,8 @@ class DenseOps:
         t = x.shape[0]
         out = cp.empty((t, n_out), cp.float32)
         if t and n_out:
-            T = _row_template(t)
-            grid = (_blocks_for(n_out, T),)
-            launch("dense", f"linear_{kind}_t{T}", grid, (BLOCK,),
+            suffix, blocks = projection(kind, t, n_out)
+            launch("dense", f"linear_{suffix}", (blocks,), (BLOCK,),
                    (x, w, out, i32(t), i32(n_in), i32(n_out)))
         return out
 
@@ -122,9 +123,8 @@ class DenseOps:
         t = x.shape[0]
         out = cp.empty((t, heads, n_out), cp.float32)
         if t and heads and n_out:
-            T = _row_template(t)
-            grid = (_blocks_for(n_out, T), heads)
-            launch("dense", f"head_linear_{kind}_t{T}", grid, (BLOCK,),
+            suffix, blocks = projection(kind, t, n_out)
+            launch("dense", f"head_linear_{suffix}", (blocks, heads), (BLOCK,),
                    (x, w, out, i32(t), i32(n_in), i32(n_out)))
         return out
 

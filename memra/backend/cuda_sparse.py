@@ -149,9 +149,16 @@ class SparseOps:
         # zeroed so a slot whose expert id matches no block adds 0 rather than garbage
         h = cp.zeros((t, k, inter), cp.float32)
         y = cp.zeros((t, k, d), cp.float32)
-        launch("moe", f"moe_gate_up_{kind}", (_blocks(inter, WARPS), e), (BLOCK,),
+        if kind == "bf16":  # tensor-core tiles of 16 gate|up units and 32 outputs; 8 or 16 rows a pass
+            rows = "n1" if t <= 8 else "n2"
+            gate_up = (f"moe_gate_up_bf16_{rows}", (_blocks(inter, 16), e))
+            down = (f"moe_down_bf16_{rows}", (_blocks(d, 32), e))
+        else:
+            gate_up = ("moe_gate_up_f32", (_blocks(inter, WARPS), e))
+            down = ("moe_down_f32", (_blocks(d, WARPS), e))
+        launch("moe", gate_up[0], gate_up[1], (BLOCK,),
                (x, idx, gate_w, up_w, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
-        launch("moe", f"moe_down_{kind}", (_blocks(d, WARPS), e), (BLOCK,),
+        launch("moe", down[0], down[1], (BLOCK,),
                (h, idx, down_w, y, i32(t), i32(k), i32(inter), i32(d)))
         launch("moe", "moe_combine", (_blocks(t * d),), (BLOCK,),
                (y, wts, out, i32(t), i32(k), i32(d)))

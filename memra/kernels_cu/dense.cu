@@ -1,17 +1,20 @@
 // Dense family: embedding gather, projections (linear, per-head linear) and elementwise activations.
 //
-// Projections are exact class and bandwidth-shaped: one warp owns one output row o of the weight
-// and streams it once for all t rows of the call (up to ROWS_MAX; more only in the prime class).
-// Lane l reads the 16-byte chunks starting at in-features k = 8l, 8l + 256, 8l + 512, ... and adds
-// the 8 products of each chunk in increasing k; the warp's fixed shuffle tree then adds the 32
-// lane partials. That order depends only on n_in, never on t, the grid or the kernel's row
-// template, so row r of a t-row call is bit-identical to the row alone, for f32 and bf16 weights
-// alike (bf16 widens in-kernel to the same float the f32 path reads).
+// Projections are exact class and read each weight once for all t rows of the call. bf16
+// weights (every real checkpoint) run on tensor cores through exact_mma.cuh: exact bf16 pieces of
+// the float32 activations, a fixed MMA sequence per output. float32 weights run on CUDA cores:
+// one warp owns one output row of the weight and streams it once for the rows (up to ROWS_MAX;
+// more only in the prime class). Lane l reads the 8-float chunks starting at in-features
+// k = 8l, 8l + 256, 8l + 512, ... and adds the 8 products of each chunk in increasing k; the
+// warp's fixed shuffle tree then adds the 32 lane partials. Either order depends only on n_in,
+// never on t, the grid or the kernel's row template, so row r of a t-row call is bit-identical
+// to the row alone.
 #include "common.cuh"
+#include "exact_mma.cuh"
 
 #define WARP 32
 #define WARPS_PER_BLOCK (MEMRA_BLOCK / WARP)  // one output row per warp
-#define CHUNK 8                               // in-features per lane per step: 16 bytes of bf16
+#define CHUNK 8                               // in-features per lane per step
 #define STEP (WARP * CHUNK)
 #define ROWS_MAX 16                           // rows per weight pass; >= 15, the exact-class cap
 
@@ -24,22 +27,7 @@ static __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// The 8 values of a full chunk (weights or activations); vector loads when 16-byte aligned.
-static __device__ __forceinline__ void load_chunk(const unsigned short* p, bool aligned, float* v) {
-    if (aligned) {
-        const uint4 q = *reinterpret_cast<const uint4*>(p);
-        const unsigned words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            v[2 * j] = __uint_as_float(words[j] << 16);
-            v[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < CHUNK; ++j) v[j] = bf16_to_f32(p[j]);
-    }
-}
-
+// The 8 floats of a full chunk (weights or activations); vector loads when 16-byte aligned.
 static __device__ __forceinline__ void load_chunk(const float* p, bool aligned, float* v) {
     if (aligned) {
         const float4 a = *reinterpret_cast<const float4*>(p);
@@ -56,15 +44,15 @@ static __device__ __forceinline__ void load_chunk(const float* p, bool aligned, 
 // x_stride floats apart and y rows y_stride apart (head_linear interleaves heads within a row).
 // O > 1 lets one activation load serve O weight rows (multi-row calls are load-bound otherwise);
 // each output's own reduction order is the same for every O.
-template <typename W, int T, int O>
-static __device__ void project(const float* __restrict__ x, const W* __restrict__ w,
+template <int T, int O>
+static __device__ void project(const float* __restrict__ x, const float* __restrict__ w,
                                float* __restrict__ y, int t, int n_in, int n_out,
                                long long x_stride, long long y_stride) {
     const int lane = threadIdx.x % WARP;
     const int o0 = (blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP) * O;
     if (o0 >= n_out) return;
     const int no = min(O, n_out - o0);
-    const W* wr = w + (long long)o0 * n_in;
+    const float* wr = w + (long long)o0 * n_in;
     const bool aligned = (reinterpret_cast<unsigned long long>(wr) % 16) == 0 && n_in % CHUNK == 0;
     const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && x_stride % 4 == 0;
     for (int r0 = 0; r0 < t; r0 += T) {  // more than T rows only in the prime class
@@ -95,7 +83,7 @@ static __device__ void project(const float* __restrict__ x, const W* __restrict_
                 for (int j = 0; c + j < n_in; ++j) {
 #pragma unroll
                     for (int q = 0; q < O; ++q) {
-                        const float wv = q < no ? widen(wr[(long long)q * n_in + c + j]) : 0.0f;
+                        const float wv = q < no ? wr[(long long)q * n_in + c + j] : 0.0f;
 #pragma unroll
                         for (int r = 0; r < T; ++r)
                             if (r < nr) acc[r][q] = acc[r][q] + wv * x[(r0 + r) * x_stride + c + j];
@@ -115,27 +103,69 @@ static __device__ void project(const float* __restrict__ x, const W* __restrict_
 
 // x [t, in], w [out, in] -> y [t, out]; grid (ceil(out / (WARPS_PER_BLOCK * O))), block MEMRA_BLOCK.
 // x [t, H, in], w [H, out, in] -> y [t, H, out] for head_linear; grid (.., H).
-// One kernel per weight type and row template T in {1, 2, 4, 8, 16}, each with its outputs per
+// One float32-weight kernel per row template T in {1, 2, 4, 8, 16}, each with its outputs per
 // warp O (cuda_dense.OUTS_PER_WARP mirrors them): the host picks the smallest T >= min(t, 16).
 // Neither T nor O changes a row's bits; they size the accumulators and the activation reuse.
-#define PROJECTIONS(SUFFIX, W, T, O)                                                              \
-    extern "C" __global__ void linear_##SUFFIX##_t##T(const float* x, const W* w, float* y, int t, \
-                                                      int n_in, int n_out) {                     \
-        project<W, T, O>(x, w, y, t, n_in, n_out, n_in, n_out);                                   \
-    }                                                                                             \
-    extern "C" __global__ void head_linear_##SUFFIX##_t##T(const float* x, const W* w, float* y,  \
-                                                           int t, int n_in, int n_out) {          \
-        const long long h = blockIdx.y, heads = gridDim.y;                                        \
-        project<W, T, O>(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out,       \
-                         heads * n_in, heads * n_out);                                            \
+#define PROJECTIONS(T, O)                                                                          \
+    extern "C" __global__ void linear_f32_t##T(const float* x, const float* w, float* y, int t,     \
+                                               int n_in, int n_out) {                              \
+        project<T, O>(x, w, y, t, n_in, n_out, n_in, n_out);                                \
+    }                                                                                              \
+    extern "C" __global__ void head_linear_f32_t##T(const float* x, const float* w, float* y,       \
+                                                    int t, int n_in, int n_out) {                  \
+        const long long h = blockIdx.y, heads = gridDim.y;                                         \
+        project<T, O>(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out,    \
+                             heads * n_in, heads * n_out);                                         \
     }
 
-#define PROJECTIONS_ALL_T(SUFFIX, W) \
-    PROJECTIONS(SUFFIX, W, 1, 1) PROJECTIONS(SUFFIX, W, 2, 2) PROJECTIONS(SUFFIX, W, 4, 4) \
-    PROJECTIONS(SUFFIX, W, 8, 4) PROJECTIONS(SUFFIX, W, 16, 2)
+PROJECTIONS(1, 1) PROJECTIONS(2, 2) PROJECTIONS(4, 4) PROJECTIONS(8, 4) PROJECTIONS(16, 2)
 
-PROJECTIONS_ALL_T(f32, float)
-PROJECTIONS_ALL_T(bf16, unsigned short)
+// bf16 weights: 32 outputs per block of MMA_THREADS, 8 NT rows per pass (NT = 1 for t <= 8,
+// else 2; the host picks, the bits do not depend on it). grid (ceil(out / 32)[, H]).
+#define BF16_OUTS 32
+
+template <int NT>
+static __device__ void project_bf16(const float* x, const unsigned short* w, float* y, int t,
+                                    int n_in, int n_out, long long x_stride, long long y_stride) {
+    __shared__ MmaTile<2, NT> sh;
+    const int g = threadIdx.x % MMA_WARP / 4, o0 = blockIdx.x * BF16_OUTS;
+    const bool w_aligned = (reinterpret_cast<unsigned long long>(w) % 16) == 0 && n_in % 8 == 0;
+    const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && x_stride % 4 == 0;
+    const unsigned short* wrow[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int o = o0 + 16 * j + 8 * h + g;
+            wrow[j][h] = o < n_out ? w + (long long)o * n_in : nullptr;
+        }
+    for (int r0 = 0; r0 < t; r0 += 8 * NT) {  // more than 8 NT rows only in the prime class
+        const int nr = min(8 * NT, t - r0);
+        const float* xrow[NT];
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+            xrow[n] = 8 * n + g < nr ? x + (r0 + 8 * n + g) * x_stride : nullptr;
+        mma_tile<2, NT>(wrow, xrow, n_in, w_aligned, x_aligned, sh);
+        for (int i = threadIdx.x; i < BF16_OUTS * nr; i += MMA_THREADS) {
+            const int m = i % BF16_OUTS, n = i / BF16_OUTS;
+            if (o0 + m < n_out) y[(r0 + n) * y_stride + o0 + m] = sh.tile[m][n];
+        }
+    }
+}
+
+#define PROJECTIONS_BF16(NT)                                                                       \
+    extern "C" __global__ void linear_bf16_n##NT(const float* x, const unsigned short* w, float* y, \
+                                                 int t, int n_in, int n_out) {                     \
+        project_bf16<NT>(x, w, y, t, n_in, n_out, n_in, n_out);                                    \
+    }                                                                                              \
+    extern "C" __global__ void head_linear_bf16_n##NT(const float* x, const unsigned short* w,     \
+                                                      float* y, int t, int n_in, int n_out) {      \
+        const long long h = blockIdx.y, heads = gridDim.y;                                         \
+        project_bf16<NT>(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out,        \
+                         heads * n_in, heads * n_out);                                             \
+    }
+
+PROJECTIONS_BF16(1) PROJECTIONS_BF16(2)
 
 // y[i] = table[ids[i]]; grid (n_ids), block MEMRA_BLOCK. An id outside [0, vocab) gives a NaN
 // row (loud downstream) instead of an out-of-bounds read; host ids are checked before launch.

@@ -1,21 +1,21 @@
 // The MoE family of the exact class: sigmoid noaux_tc routing and the routed experts.
-// Weight rows are walked by one warp per output unit that loops over the t rows inside the
-// block (weights read once per call, not once per row). Each dot is lanes striding the reduced
-// axis, then a fixed shuffle tree: its order depends on the reduced length only, never on t.
+// Expert weights are read once per call for all the rows routed to them (not once per row).
+// bf16 experts run on tensor cores through exact_mma.cuh, 8 NT routed rows per pass; float32
+// experts and the router walk a weight row per warp that loops over the rows, each dot lanes
+// striding the reduced axis, then a fixed shuffle tree. Either order depends on the reduced
+// length only, never on t or on which other rows picked the expert.
 // Expert outputs land in per-(row, slot) scratch and are summed per row in slot order, so no
 // float atomics and no order that depends on which other rows exist.
 #include "common.cuh"
+#include "exact_mma.cuh"
 
 #define WARPS (MEMRA_BLOCK / 32)  // output units per block
-
-static __device__ __forceinline__ float widen(float v) { return v; }
-static __device__ __forceinline__ float widen(unsigned short v) { return bf16_to_f32(v); }
 
 // Lane 0 returns the dot of w[0..n) and x[0..n): lane l sums c = l, l+32, ... then a fixed tree.
 template <typename T>
 static __device__ __forceinline__ float warp_dot(const T* w, const float* x, int n, int lane) {
     float acc = 0.0f;
-    for (int c = lane; c < n; c += 32) acc += widen(w[c]) * x[c];
+    for (int c = lane; c < n; c += 32) acc += w[c] * x[c];
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
     return acc;
 }
@@ -175,22 +175,134 @@ extern "C" __global__ void moe_gate_up_f32(const float* x, const long long* idx,
     gate_up(x, idx, gw, uw, h, t, k, I, D, limit);
 }
 
-extern "C" __global__ void moe_gate_up_bf16(const float* x, const long long* idx,
-                                            const unsigned short* gw, const unsigned short* uw,
-                                            float* h, int t, int k, int I, int D, float limit) {
-    gate_up(x, idx, gw, uw, h, t, k, I, D, limit);
-}
-
 extern "C" __global__ void moe_down_f32(const float* h, const long long* idx, const float* dw,
                                         float* y, int t, int k, int I, int D) {
     down(h, idx, dw, y, t, k, I, D);
 }
 
-extern "C" __global__ void moe_down_bf16(const float* h, const long long* idx,
-                                         const unsigned short* dw, float* y, int t, int k, int I,
-                                         int D) {
-    down(h, idx, dw, y, t, k, I, D);
+// The next (row, slot) pairs routed to expert e, scanning idx [t * k] from *cursor in order:
+// up to cap of them into pairs (as r * k + s). Warp 0 scans 32 entries per ballot; call with
+// the whole block; returns the count (0: no more) and moves *cursor past the last one taken.
+static __device__ int next_pairs(const long long* idx, int total, int e, int cap, int* pairs,
+                                 int* shared_count, int* cursor) {
+    __syncthreads();  // the previous pass is done reading pairs
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        int taken = 0, pos = *cursor;
+        while (pos < total && taken < cap) {
+            const int p = pos + lane;
+            const bool hit = p < total && idx[p] == e;
+            const unsigned hits = __ballot_sync(0xffffffffu, hit);
+            const int rank = taken + __popc(hits & ((1u << lane) - 1u));
+            if (hit && rank < cap) pairs[rank] = p;
+            const int room = cap - taken;
+            if (__popc(hits) > room) {  // stop after the room-th hit of this window
+                const unsigned last = __ballot_sync(0xffffffffu, hit && rank == cap - 1);
+                pos = __shfl_sync(0xffffffffu, p, __ffs(last) - 1) + 1;
+                taken = cap;
+            } else {
+                taken += __popc(hits);
+                pos += 32;
+            }
+        }
+        if (lane == 0) {
+            *shared_count = taken;
+            cursor[1] = min(pos, total);
+        }
+    }
+    __syncthreads();
+    const int n = *shared_count;
+    if (threadIdx.x == 0) cursor[0] = cursor[1];
+    __syncthreads();
+    return n;
 }
+
+// bf16 experts, tensor cores. gate_up: block (i-tile of 16, expert e): weight rows 0..15 are
+// gate rows i0.., 16..31 the up rows, so the SwiGLU pairs meet in one tile. down: block
+// (c-tile of 32, e). grid (ceil(I / 16), E) and (ceil(D / 32), E), block MMA_THREADS.
+template <int NT>
+static __device__ void gate_up_bf16(const float* x, const long long* idx, const unsigned short* gate_w,
+                                    const unsigned short* up_w, float* h, int t, int k, int I, int D,
+                                    float limit) {
+    __shared__ MmaTile<2, NT> sh;
+    __shared__ int pairs[8 * NT], count, cursor[2];
+    const int e = blockIdx.y, i0 = blockIdx.x * 16, g = threadIdx.x % MMA_WARP / 4;
+    const bool w_aligned = (reinterpret_cast<unsigned long long>(gate_w) % 16) == 0 &&
+                           (reinterpret_cast<unsigned long long>(up_w) % 16) == 0 && D % 8 == 0;
+    const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && D % 4 == 0;
+    const unsigned short* wrow[2][2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int i = i0 + 8 * hh + g;
+        const long long off = ((long long)e * I + i) * D;
+        wrow[0][hh] = i < I ? gate_w + off : nullptr;
+        wrow[1][hh] = i < I ? up_w + off : nullptr;
+    }
+    if (threadIdx.x == 0) cursor[0] = 0;
+    __syncthreads();
+    int nr;
+    while ((nr = next_pairs(idx, t * k, e, 8 * NT, pairs, &count, cursor)) > 0) {
+        const float* xrow[NT];
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+            xrow[n] = 8 * n + g < nr ? x + (long long)(pairs[8 * n + g] / k) * D : nullptr;
+        mma_tile<2, NT>(wrow, xrow, D, w_aligned, x_aligned, sh);
+        for (int j = threadIdx.x; j < 16 * nr; j += MMA_THREADS) {
+            const int m = j % 16, n = j / 16;
+            if (i0 + m < I) {
+                const float a = siluf_exact(fminf(sh.tile[m][n], limit));
+                h[(long long)pairs[n] * I + i0 + m] = a * fminf(fmaxf(sh.tile[16 + m][n], -limit), limit);
+            }
+        }
+    }
+}
+
+template <int NT>
+static __device__ void down_bf16(const float* h, const long long* idx, const unsigned short* down_w,
+                                 float* y, int t, int k, int I, int D) {
+    __shared__ MmaTile<2, NT> sh;
+    __shared__ int pairs[8 * NT], count, cursor[2];
+    const int e = blockIdx.y, c0 = blockIdx.x * 32, g = threadIdx.x % MMA_WARP / 4;
+    const bool w_aligned = (reinterpret_cast<unsigned long long>(down_w) % 16) == 0 && I % 8 == 0;
+    const bool x_aligned = (reinterpret_cast<unsigned long long>(h) % 16) == 0 && I % 4 == 0;
+    const unsigned short* wrow[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int c = c0 + 16 * j + 8 * hh + g;
+            wrow[j][hh] = c < D ? down_w + ((long long)e * D + c) * I : nullptr;
+        }
+    if (threadIdx.x == 0) cursor[0] = 0;
+    __syncthreads();
+    int nr;
+    while ((nr = next_pairs(idx, t * k, e, 8 * NT, pairs, &count, cursor)) > 0) {
+        const float* xrow[NT];
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+            xrow[n] = 8 * n + g < nr ? h + (long long)pairs[8 * n + g] * I : nullptr;
+        mma_tile<2, NT>(wrow, xrow, I, w_aligned, x_aligned, sh);
+        for (int j = threadIdx.x; j < 32 * nr; j += MMA_THREADS) {
+            const int m = j % 32, n = j / 32;
+            if (c0 + m < D) y[(long long)pairs[n] * D + c0 + m] = sh.tile[m][n];
+        }
+    }
+}
+
+#define EXPERTS_BF16(NT)                                                                           \
+    extern "C" __global__ void moe_gate_up_bf16_n##NT(const float* x, const long long* idx,        \
+                                                      const unsigned short* gw,                    \
+                                                      const unsigned short* uw, float* h, int t,   \
+                                                      int k, int I, int D, float limit) {          \
+        gate_up_bf16<NT>(x, idx, gw, uw, h, t, k, I, D, limit);                                    \
+    }                                                                                              \
+    extern "C" __global__ void moe_down_bf16_n##NT(const float* h, const long long* idx,           \
+                                                   const unsigned short* dw, float* y, int t,      \
+                                                   int k, int I, int D) {                          \
+        down_bf16<NT>(h, idx, dw, y, t, k, I, D);                                                  \
+    }
+
+EXPERTS_BF16(1) EXPERTS_BF16(2)
 
 // out[r, c] = sum over the row's slots in order of y[r, s, c] * wt[r, s].
 extern "C" __global__ void moe_combine(const float* y, const float* wts, float* out, int t, int k,

@@ -2,7 +2,9 @@
 
 Three gates, ggml style (DESIGN.md section 2):
 * accuracy: every op on random inputs matches NumpyBackend within its own (rtol, atol) from
-  TOLERANCE; bf16 weights are compared with the reference run on the widened weights;
+  TOLERANCE; bf16 weights (the tensor-core path) are compared with the reference run on the
+  widened weights, and an identity weight must return the activations bit for bit (the three
+  bf16 pieces of a float32 add back up exactly);
 * row exactness: for t = 1..15, row r of a GPU t-row call is bit-identical to the GPU call on
   that row alone (np.array_equal on host copies, never allclose);
 * red arm: a linear kernel whose reduction splits into t parts (a split COUNT) fails the row
@@ -124,9 +126,14 @@ CASES = [
     Case("linear_long_in", make_linear(515, 70), lambda be, r, s: be.linear(r["x"], s["w"])),
     Case("linear_bf16", make_linear(128, 64, _bf16), lambda be, r, s: be.linear(r["x"], s["w"])),
     Case("linear_bf16_odd", make_linear(300, 45, _bf16), lambda be, r, s: be.linear(r["x"], s["w"])),
+    # several in-feature blocks per warp, a full last chunk (1032 = 4 * 256 + 8) / a ragged one
+    Case("linear_bf16_wide", make_linear(1032, 70, _bf16), lambda be, r, s: be.linear(r["x"], s["w"])),
+    Case("linear_bf16_wide_odd", make_linear(1029, 33, _bf16), lambda be, r, s: be.linear(r["x"], s["w"])),
     Case("head_linear", make_head_linear(4, 16, 32), lambda be, r, s: be.head_linear(r["x"], s["w"])),
     Case("head_linear_odd", make_head_linear(3, 17, 13), lambda be, r, s: be.head_linear(r["x"], s["w"])),
     Case("head_linear_bf16", make_head_linear(2, 64, 40, _bf16),
+         lambda be, r, s: be.head_linear(r["x"], s["w"])),
+    Case("head_linear_bf16_odd", make_head_linear(3, 17, 13, _bf16),
          lambda be, r, s: be.head_linear(r["x"], s["w"])),
     Case("rmsnorm", make_norm((128,)), lambda be, r, s: be.rmsnorm(r["x"], s["w"], 1e-5)),
     Case("rmsnorm_per_head", make_norm((2, 33)), lambda be, r, s: be.rmsnorm(r["x"], s["w"], 1e-5)),
@@ -218,7 +225,7 @@ def test_gpu_row_of_t_row_call_is_bit_identical_to_row_alone(case, t):
     assert _mismatched_rows(DenseOps(), case, rows, shared) == []
 
 
-@pytest.mark.parametrize("name", ["linear_long_in", "linear_bf16_odd", "head_linear_bf16"])
+@pytest.mark.parametrize("name", ["linear_long_in", "linear_bf16_odd", "linear_bf16_wide_odd", "head_linear_bf16"])
 def test_projection_beyond_one_row_tile_stays_accurate_and_row_exact(name):
     """t > 16 (prime class) takes several weight passes; each row's order is still its own."""
     case = next(c for c in CASES if c.name == name)
@@ -229,16 +236,29 @@ def test_projection_beyond_one_row_tile_stays_accurate_and_row_exact(name):
     assert _mismatched_rows(DenseOps(), case, rows, shared) == []
 
 
+@pytest.mark.parametrize("n_in", [256, 1029])
+def test_bf16_identity_weight_returns_the_activations_bit_for_bit(n_in):
+    """Tensor cores see bf16 pieces hi + mid + lo of each float32 activation; with an identity
+    weight every output is exactly that sum, so any lost piece or inexact split shows here."""
+    rng = np.random.default_rng(5)
+    x = normal(rng, (15, n_in)) * np.float32(1e3)
+    eye = f32_to_bf16(np.eye(n_in, dtype=np.float32))
+    got = cp.asnumpy(DenseOps().linear(cp.asarray(x), cp.asarray(eye)))
+    assert np.array_equal(got, x)
+
+
 @pytest.mark.parametrize("op", ["linear", "head_linear"])
-def test_bf16_weights_widen_exactly(op):
-    """The bf16 kernel widens in-kernel and keeps the f32 kernel's order: bit-identical results."""
+def test_bf16_tensor_core_path_agrees_with_the_float32_path(op):
+    """bf16 weights take the tensor-core kernels, float32 weights the CUDA-core ones: different
+    orders, the same products; both within the accuracy table of the widened reference."""
     rng = np.random.default_rng(4)
     shape = (70, 300) if op == "linear" else (3, 40, 300)
     x = cp.asarray(normal(rng, (9, *shape[:-2], shape[-1])))
     w16 = _bf16(rng, shape, 300 ** -0.5)
     ops = DenseOps()
     got = getattr(ops, op)(x, cp.asarray(w16))
-    assert cp.array_equal(got, getattr(ops, op)(x, cp.asarray(bf16_to_f32(w16))))
+    want = getattr(ops, op)(x, cp.asarray(bf16_to_f32(w16)))
+    cp.testing.assert_allclose(got, want, rtol=TOLERANCE[op][0], atol=TOLERANCE[op][1])
 
 
 # ---- edges and refusals --------------------------------------------------------------------------

@@ -162,6 +162,10 @@ CASES = {
     "moe_experts-small-bf16": ("moe_experts", lambda rng: _experts_args(rng, 15, 8, 32, 64, 2, True)),
     "moe_experts-odd-clamped": (
         "moe_experts", lambda rng: _experts_args(rng, 11, 5, 33, 67, 3, limit=0.75)),
+    "moe_experts-odd-clamped-bf16": (
+        "moe_experts", lambda rng: _experts_args(rng, 11, 5, 33, 67, 3, True, limit=0.75)),
+    # prime class: more rows than one tensor-core pass per expert
+    "moe_experts-prime-bf16": ("moe_experts", lambda rng: _experts_args(rng, 40, 4, 40, 264, 2, True)),
 }
 
 
@@ -267,6 +271,8 @@ ROW_CASES = {
         lambda rng: _experts_args(rng, T_MAX, 8, 32, 64, 2), "moe_experts", 3),
     "moe_experts-bf16": _plain_rows(
         lambda rng: _experts_args(rng, T_MAX, 4, 64, 128, 2, True), "moe_experts", 3),
+    "moe_experts-bf16-odd": _plain_rows(
+        lambda rng: _experts_args(rng, T_MAX, 5, 33, 67, 3, True), "moe_experts", 3),
 }
 
 

@@ -1,0 +1,145 @@
+// bf16 weight x float32 activation dot products on tensor cores, exactly (shared by dense.cu's
+// projections and moe.cu's experts).
+//
+// A float32 activation is the exact sum of three bf16 pieces (each the truncation of what the
+// previous ones left: 8 + 8 + 8 significand bits), and a bf16 weight times a bf16 piece is exact
+// in the MMA's float32 accumulator. So W x is computed as mma(W, hi) + mma(W, mid) + mma(W, lo)
+// per 16 in-features: the m16n8k16 MMA puts 16 weight rows (outputs) on M and 8 activation rows
+// on N. Every output's accumulator sees the same MMA sequence whatever the row count t is (an
+// MMA's column n depends only on column n of its operands; padded rows are separate columns),
+// so row r of a t-row call is bit-identical to the row alone.
+//
+// Order: the block's SPLIT warps share its 16 J outputs; warp v takes the 32-wide in-feature
+// blocks v, v + SPLIT, v + 2 SPLIT, ... (a fixed split size, never a split count), each block
+// as k-step 0 then 1, each step as hi, mid, lo; the warps' partials are then added in warp order.
+// Lane (g = lane / 4, q = lane % 4) loads 16 bytes of weight rows g and g + 8 at in-features
+// kb + 8q .. kb + 8q + 7. MMA k-index 2q + i (i < 2) stands for in-feature kb + 8q + 4s + i and
+// 2q + 8 + i for kb + 8q + 4s + 2 + i in k-step s, the same bijection for the weight (A) and
+// activation (B) fragments, so each product meets its partner.
+#pragma once
+
+#define MMA_WARP 32
+#define MMA_SPLIT 8                        // warps per block, each a fixed stride of in-features
+#define MMA_THREADS (MMA_SPLIT * MMA_WARP)
+#define MMA_KB 32                          // in-features per warp block: 16 bytes of bf16 per lane
+
+static __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2,
+                                                unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Eight floats -> three bf16 pieces, packed two per word (element 2j in the low half of word j):
+// v = hi + mid + lo exactly (each subtraction is exact; only magnitudes under ~1e-33 flush).
+static __device__ __forceinline__ void split_pieces(const float (&v)[8], unsigned (&p)[3][4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        unsigned bits[3][2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float a = v[2 * j + e];
+            const unsigned hi = __float_as_uint(a) & 0xffff0000u;
+            const float rest = a - __uint_as_float(hi);
+            const unsigned mid = __float_as_uint(rest) & 0xffff0000u;
+            bits[0][e] = hi;
+            bits[1][e] = mid;
+            bits[2][e] = __float_as_uint(rest - __uint_as_float(mid));
+        }
+#pragma unroll
+        for (int piece = 0; piece < 3; ++piece)
+            p[piece][j] = (bits[piece][0] >> 16) | (bits[piece][1] & 0xffff0000u);
+    }
+}
+
+// Eight bf16 weights of a row from in-feature k; zeros past n_in or for a missing row (null).
+static __device__ __forceinline__ uint4 load_w8(const unsigned short* row, int k, int n_in, bool aligned) {
+    if (row != nullptr && aligned && k + 8 <= n_in) return *reinterpret_cast<const uint4*>(row + k);
+    unsigned h[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) h[j] = row != nullptr && k + j < n_in ? row[k + j] : 0u;
+    return make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16);
+}
+
+// Eight activations of a row from in-feature k; zeros past n_in or for a padded row (null).
+static __device__ __forceinline__ void load_x8(const float* row, int k, int n_in, bool aligned, float (&v)[8]) {
+    if (row != nullptr && aligned && k + 8 <= n_in) {
+        const float4 a = *reinterpret_cast<const float4*>(row + k);
+        const float4 b = *reinterpret_cast<const float4*>(row + k + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = row != nullptr && k + j < n_in ? row[k + j] : 0.0f;
+}
+
+static __device__ __forceinline__ unsigned word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// One tile: tile[m][n] = w_m . x_n for the block's 16 J weight rows m and up to 8 NT activation
+// rows n. Each lane passes its own operand rows: wrow[j][h] is weight row 16 j + 8 h + g and
+// xrow[n] activation row 8 n + g (nullptr: a missing row, read as zeros). w_aligned / x_aligned:
+// every passed row starts 16-byte aligned and the loads may be vectors. Call with all
+// MMA_THREADS threads of the block (it synchronises); tile is ready when it returns.
+template <int J, int NT>
+struct MmaTile {
+    float part[MMA_SPLIT][J][NT][4][MMA_WARP];
+    float tile[16 * J][8 * NT];
+};
+
+template <int J, int NT>
+static __device__ void mma_tile(const unsigned short* const (&wrow)[J][2], const float* const (&xrow)[NT],
+                                int n_in, bool w_aligned, bool x_aligned, MmaTile<J, NT>& sh) {
+    const int lane = threadIdx.x % MMA_WARP, q = lane % 4, warp = threadIdx.x / MMA_WARP;
+    float acc[J][NT][4];
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][n][i] = 0.0f;
+    for (int kb = warp * MMA_KB; kb < n_in; kb += MMA_SPLIT * MMA_KB) {
+        uint4 wv[J][2];
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) wv[j][h] = load_w8(wrow[j][h], kb + 8 * q, n_in, w_aligned);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            float xv[8];
+            load_x8(xrow[n], kb + 8 * q, n_in, x_aligned, xv);
+            unsigned p[3][4];
+            split_pieces(xv, p);
+#pragma unroll
+            for (int s = 0; s < 2; ++s)
+#pragma unroll
+                for (int piece = 0; piece < 3; ++piece)
+#pragma unroll
+                    for (int j = 0; j < J; ++j)
+                        mma_bf16(acc[j][n], word(wv[j][0], 2 * s), word(wv[j][1], 2 * s),
+                                 word(wv[j][0], 2 * s + 1), word(wv[j][1], 2 * s + 1),
+                                 p[piece][2 * s], p[piece][2 * s + 1]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sh.part[warp][j][n][i][lane] = acc[j][n][i];
+    __syncthreads();
+    // slot (j, n, i, l) of the MMA's C layout: weight row 16 j + l / 4 + 8 (i / 2),
+    // activation row 8 n + 2 (l % 4) + i % 2; the SPLIT partials added in warp order
+    for (int slot = threadIdx.x; slot < J * NT * 4 * MMA_WARP; slot += MMA_THREADS) {
+        const int l = slot % MMA_WARP, i = (slot / MMA_WARP) % 4;
+        const int n = (slot / (4 * MMA_WARP)) % NT, j = slot / (4 * MMA_WARP * NT);
+        float sum = sh.part[0][j][n][i][l];
+        for (int v = 1; v < MMA_SPLIT; ++v) sum += sh.part[v][j][n][i][l];
+        sh.tile[16 * j + l / 4 + 8 * (i >> 1)][8 * n + 2 * (l % 4) + (i & 1)] = sum;
+    }
+    __syncthreads();
+}

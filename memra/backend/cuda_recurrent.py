@@ -17,6 +17,7 @@ from memra.backend.cuda_runtime import BLOCK, check, f32, i32, launch
 
 WARPS = BLOCK // 32
 HC_MAX_N = 8  # hyper.cu HC_MAX_N
+HC_CHUNK = BLOCK * 8  # hyper.cu HC_CHUNK: flattened stream elements per hc_partials block
 CONV_MAX_K = 16  # kda.cu KDA_MAX_CONV
 KDA_MAX_DK = 256  # kda.cu KDA_MAX_DK
 
@@ -35,8 +36,8 @@ def _grid(total: int) -> tuple[int]:
 class RecurrentOps:
     # ---- mHC ----------------------------------------------------------------------------------
     def hc_weights(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int):
-        """(pre [t, n], post [t, n], comb [t, n, n]); one block per row (fn is tiny and stays
-        in L2 across the row blocks)."""
+        """(pre [t, n], post [t, n], comb [t, n, n]): fixed chunks of the flattened streams
+        spread the fn matvec over blocks, then one small block per row adds them up in order."""
         streams = _input(streams, "streams")
         t, n, d = streams.shape
         assert 1 <= n <= HC_MAX_N, f"hc_weights: n={n} streams, at most {HC_MAX_N}"
@@ -47,8 +48,11 @@ class RecurrentOps:
         pre, post = cp.empty((t, n), cp.float32), cp.empty((t, n), cp.float32)
         comb = cp.empty((t, n, n), cp.float32)
         if t:
-            launch("hyper", "hc_weights", (t,), (BLOCK,),
-                   (streams, fn, base, scale, pre, post, comb, i32(n), i32(d), f32(rms_eps),
+            chunks = (n * d + HC_CHUNK - 1) // HC_CHUNK
+            part = cp.empty((t, chunks, (2 + n) * n + 1), cp.float32)
+            launch("hyper", "hc_partials", (chunks, t), (BLOCK,), (streams, fn, part, i32(n), i32(d)))
+            launch("hyper", "hc_weights", (t,), (32,),
+                   (part, base, scale, pre, post, comb, i32(n), i32(d), i32(chunks), f32(rms_eps),
                     f32(hc_eps), i32(iters)))
         return pre, post, comb
 

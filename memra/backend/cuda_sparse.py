@@ -22,6 +22,7 @@ WARPS = BLOCK // 32  # moe.cu: output units (one warp each) per block
 ROUTE_THREADS = 32  # moe_route_select: one thread per row
 MAX_TOPK = 32  # moe_route_select keeps the chosen experts in a fixed local array
 MAX_GROUPS = 64  # ... and the kept groups in a 64-bit mask
+MAX_EXPERTS = 384  # ... and its rows' scores in 48 KB of shared memory
 
 
 def _blocks(n: int, per: int = BLOCK) -> int:
@@ -90,12 +91,15 @@ class SparseOps:
         assert latent.ndim == 2 and latent.shape[1] == rank, f"latent {latent.shape}"
         assert positions.ndim == 2 and positions.shape[0] == t, f"positions {positions.shape}"
         width = positions.shape[1]
+        if t * h * width == 0:  # an empty list attends nothing
+            return cp.zeros((t, h, rank), cp.float32)
         out = cp.empty((t, h, rank), cp.float32)
-        if t * h == 0:
-            return out
-        scores = cp.empty((t * h, max(width, 1)), cp.float32)
-        launch("mla", "mla_attend", (t * h,), (BLOCK,),
-               (q_lat, latent, positions, scores, out, i32(h), i32(rank), i32(width), f32(scale)))
+        probs = cp.empty((t * h, width), cp.float32)
+        launch("mla", "mla_scores", (_blocks(width, 32), t), (BLOCK,),
+               (q_lat, latent, positions, probs, i32(h), i32(rank), i32(width), f32(scale)))
+        launch("mla", "mla_softmax", (t * h,), (BLOCK,), (probs, positions, i32(h), i32(width)))
+        launch("mla", "mla_mix", (_blocks(rank, 32), _blocks(h, 8), t), (BLOCK,),
+               (probs, latent, positions, out, i32(h), i32(rank), i32(width)))
         return out
 
     # ---- MoE -------------------------------------------------------------------------------
@@ -108,6 +112,7 @@ class SparseOps:
         t, d = x.shape
         e = w_gate.shape[0]
         assert w_gate.shape == (e, d) and bias.shape == (e,), f"w_gate {w_gate.shape}, bias {bias.shape}"
+        assert e <= MAX_EXPERTS, f"moe_route: E={e} experts, at most {MAX_EXPERTS}"
         assert 1 <= n_group <= MAX_GROUPS and e % n_group == 0 and e // n_group >= 2, (
             f"n_group {n_group}: must divide E={e} into groups of >= 2, at most {MAX_GROUPS}")
         assert 1 <= topk_group <= n_group, f"topk_group {topk_group} outside 1..{n_group}"
@@ -118,12 +123,12 @@ class SparseOps:
         if t == 0:
             return experts, weights
         logits = cp.empty((t, e), cp.float32)
-        probs = cp.empty((t, e), cp.float32)
         launch("moe", "moe_router_logits", (_blocks(e, WARPS),), (BLOCK,),
                (x, w_gate, logits, i32(t), i32(e), i32(d)))
         launch("moe", "moe_route_select", (_blocks(t, ROUTE_THREADS),), (ROUTE_THREADS,),
-               (logits, bias, probs, experts, weights, i32(t), i32(e), i32(n_group),
-                i32(topk_group), i32(k), i32(bool(renormalize)), f32(scaling)))
+               (logits, bias, experts, weights, i32(t), i32(e), i32(n_group),
+                i32(topk_group), i32(k), i32(bool(renormalize)), f32(scaling)),
+               shared_mem=4 * e * ROUTE_THREADS)
         return experts, weights
 
     def moe_experts(self, x, idx, wts, gate_w, up_w, down_w, limit: float):

@@ -39,36 +39,61 @@ static __device__ void hc_normalise_rows(float* c, int n, float eps) {
     }
 }
 
-// One block (MEMRA_BLOCK threads) per row. streams [t, n, D]; fn [(2+n)n, nD]; base [(2+n)n];
-// scale [3]. Outputs pre [t, n], post [t, n], comb [t, n, n].
-extern "C" __global__ void hc_weights(const float* __restrict__ streams, const float* __restrict__ fn,
-                                      const float* __restrict__ base, const float* __restrict__ scale,
-                                      float* __restrict__ pre, float* __restrict__ post,
-                                      float* __restrict__ comb, int n, int d, float rms_eps,
-                                      float hc_eps, int iters) {
-    __shared__ float red[MEMRA_BLOCK];
-    __shared__ float m[(2 + HC_MAX_N) * HC_MAX_N];
-    const int r = blockIdx.x, nd = n * d, outs = (2 + n) * n;
+// Site weights in two launches, so the (2+n)n x nD matvec spreads over many blocks instead of
+// one block per row: hc_partials takes fixed chunks of HC_CHUNK flattened elements (a split
+// size, never a count) and writes each chunk's sum of squares and (2+n)n dots with fn;
+// hc_weights adds the chunks in order, normalises (m = inv_rms * fn x) and runs the epilogue.
+#define HC_CHUNK (MEMRA_BLOCK * 8)  // thread i of a chunk owns its elements 8i .. 8i + 7
+#define HC_MAX_OUTS ((2 + HC_MAX_N) * HC_MAX_N)
+
+// grid (ceil(nD / HC_CHUNK), t), block MEMRA_BLOCK. part [t, chunks, outs + 1]: the dots, then ss.
+extern "C" __global__ void hc_partials(const float* __restrict__ streams, const float* __restrict__ fn,
+                                       float* __restrict__ part, int n, int d) {
+    __shared__ float red[HC_WARPS][HC_MAX_OUTS + 1];
+    const int r = blockIdx.y, c = blockIdx.x, chunks = gridDim.x, nd = n * d, outs = (2 + n) * n;
+    const int k0 = c * HC_CHUNK + threadIdx.x * 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float* x = streams + (long long)r * nd;
-
-    // RMS over the flattened streams: threads stride nD, then the fixed tree of common.cuh.
+    float xv[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) xv[e] = k0 + e < nd ? x[k0 + e] : 0.0f;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < nd; i += MEMRA_BLOCK) ss += x[i] * x[i];
-    ss = block_sum(ss, red);
-    const float inv = 1.0f / sqrtf(ss / (float)nd + rms_eps);
-
-    // m = fn @ (x * inv): one warp per output, lanes stride nD, then the butterfly. x * inv is
-    // formed on the fly (the reference's normalised vector, rounded the same way).
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int j = warp; j < outs; j += HC_WARPS) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss += xv[e] * xv[e];
+    ss = hc_warp_sum(ss);
+    if (lane == 0) red[warp][outs] = ss;
+    for (int j = 0; j < outs; ++j) {
         const float* w = fn + (long long)j * nd;
         float acc = 0.0f;
-        for (int i = lane; i < nd; i += 32) acc += w[i] * (x[i] * inv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc += (k0 + e < nd ? w[k0 + e] : 0.0f) * xv[e];
         acc = hc_warp_sum(acc);
-        if (lane == 0) m[j] = acc;
+        if (lane == 0) red[warp][j] = acc;
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j <= outs; j += MEMRA_BLOCK) {
+        float sum = red[0][j];
+        for (int v = 1; v < HC_WARPS; ++v) sum += red[v][j];
+        part[((long long)r * chunks + c) * (outs + 1) + j] = sum;
+    }
+}
+
+// grid (t), block 32. base [(2+n)n]; scale [3]. Outputs pre [t, n], post [t, n], comb [t, n, n].
+extern "C" __global__ void hc_weights(const float* __restrict__ part, const float* __restrict__ base,
+                                      const float* __restrict__ scale, float* __restrict__ pre,
+                                      float* __restrict__ post, float* __restrict__ comb, int n,
+                                      int d, int chunks, float rms_eps, float hc_eps, int iters) {
+    __shared__ float m[HC_MAX_OUTS + 1];
+    const int r = blockIdx.x, outs = (2 + n) * n;
+    const float* p = part + (long long)r * chunks * (outs + 1);
+    for (int j = threadIdx.x; j <= outs; j += blockDim.x) {
+        float sum = p[j];
+        for (int c = 1; c < chunks; ++c) sum += p[(long long)c * (outs + 1) + j];
+        m[j] = sum;
     }
     __syncthreads();
     if (threadIdx.x != 0) return;
+    const float inv = 1.0f / sqrtf(m[outs] / (float)(n * d) + rms_eps);
+    for (int j = 0; j < outs; ++j) m[j] = m[j] * inv;
 
     // The n + n + n*n epilogue is tiny: one thread, in the reference's exact operation order.
     for (int i = 0; i < n; ++i) {

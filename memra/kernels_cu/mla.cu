@@ -126,46 +126,113 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, int pos0,
     }
 }
 
-// Absorbed MLA attention, one block per (row, head): scores over the valid entries of the
-// row's list (threads stride the list, each dot over R in order), fixed-tree max and sum,
-// then each thread owns output channels and accumulates p_j c_j in list (ascending) order.
-// scores: scratch [t*H, W].
-extern "C" __global__ void mla_attend(const float* q, const float* latent, const int* positions,
-                                      float* scores, float* out, int H, int R, int W,
-                                      float scale) {
-    __shared__ float shm[MEMRA_BLOCK];
-    int r = blockIdx.x / H;
-    const float* qh = q + (long long)blockIdx.x * R;
+// Absorbed MLA attention in three launches (all heads share the latent rows, so each latent row
+// is read once per block of positions, not once per head):
+//   mla_scores:  s[r, h, j] = scale * (q[r, h] . c_{pos[r, j]}), the dot over R in order;
+//   mla_softmax: p[r, h, :] = softmax over the row's valid entries (fixed-tree max and sum);
+//   mla_mix:     o[r, h, k] = sum_j p[r, h, j] c_{pos[r, j]}[k], j in list (ascending) order.
+// Each value's order depends on R and the row's own list only, never on t or the grid.
+#define ATT_POS 32    // positions per mla_scores block (one per lane)
+#define ATT_HEADS 64  // heads per pass of an mla_scores block: 8 warps x 8 heads
+#define ATT_KT 32     // in-channels staged per step
+
+// grid (ceil(W / ATT_POS), t), block MEMRA_BLOCK. Lane = position, warp = a group of 8 heads.
+extern "C" __global__ void mla_scores(const float* q, const float* latent, const int* positions,
+                                      float* scores, int H, int R, int W, float scale) {
+    __shared__ float cs[ATT_POS][ATT_KT + 1];  // +1: lanes read different rows, no bank clash
+    __shared__ float qs[ATT_HEADS][ATT_KT + 1];
+    const int r = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int j = blockIdx.x * ATT_POS + lane;
     const int* pos = positions + (long long)r * W;
+    for (int h0 = 0; h0 < H; h0 += ATT_HEADS) {
+        float acc[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+        for (int k0 = 0; k0 < R; k0 += ATT_KT) {
+            __syncthreads();  // the previous step is done with the tiles
+            for (int e = threadIdx.x; e < ATT_POS * ATT_KT; e += MEMRA_BLOCK) {
+                const int jj = blockIdx.x * ATT_POS + e / ATT_KT, k = k0 + e % ATT_KT;
+                const int c = jj < W ? pos[jj] : -1;
+                cs[e / ATT_KT][e % ATT_KT] = c >= 0 && k < R ? latent[(long long)c * R + k] : 0.0f;
+            }
+            for (int e = threadIdx.x; e < ATT_HEADS * ATT_KT; e += MEMRA_BLOCK) {
+                const int h = h0 + e / ATT_KT, k = k0 + e % ATT_KT;
+                qs[e / ATT_KT][e % ATT_KT] = h < H && k < R ? q[((long long)r * H + h) * R + k] : 0.0f;
+            }
+            __syncthreads();
+            const int kn = min(ATT_KT, R - k0);
+            for (int k = 0; k < kn; ++k) {
+                const float c = cs[lane][k];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[i] = acc[i] + qs[warp * 8 + i][k] * c;
+            }
+        }
+        if (j < W && pos[j] >= 0) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int h = h0 + warp * 8 + i;
+                if (h < H) scores[((long long)r * H + h) * W + j] = acc[i] * scale;
+            }
+        }
+    }
+}
+
+// grid (t * H), block MEMRA_BLOCK: scores -> probabilities in place; invalid entries get 0.
+extern "C" __global__ void mla_softmax(float* scores, const int* positions, int H, int W) {
+    __shared__ float shm[MEMRA_BLOCK];
+    const int* pos = positions + (long long)(blockIdx.x / H) * W;
     float* s = scores + (long long)blockIdx.x * W;
     float mx = neg_inf();
-    for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK) {
-        int c = pos[j];
-        if (c < 0) continue;
-        const float* cj = latent + (long long)c * R;
-        float dot = 0.0f;
-        for (int k = 0; k < R; ++k) dot += qh[k] * cj[k];
-        float v = dot * scale;
-        s[j] = v;
-        mx = fmaxf(mx, v);
-    }
+    for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK)
+        if (pos[j] >= 0) mx = fmaxf(mx, s[j]);
     mx = block_max(mx, shm);
     float sum = 0.0f;
     for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK) {
-        if (pos[j] < 0) continue;
-        float e = expf(s[j] - mx);
+        const float e = pos[j] >= 0 ? expf(s[j] - mx) : 0.0f;
         s[j] = e;
         sum += e;
     }
-    sum = block_sum(sum, shm);  // its barriers also publish every s[j] to the whole block
-    float* o = out + (long long)blockIdx.x * R;
-    for (int k = threadIdx.x; k < R; k += MEMRA_BLOCK) {
-        float acc = 0.0f;
-        for (int j = 0; j < W; ++j) {
-            int c = pos[j];
-            if (c < 0) continue;
-            acc += (s[j] / sum) * latent[(long long)c * R + k];
+    sum = block_sum(sum, shm);
+    for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK) s[j] = s[j] / sum;
+}
+
+#define MIX_HEADS 8  // heads per mla_mix block: one latent read serves 8 accumulators
+#define MIX_SPAN 32   // list entries per warp turn; warp w takes turns w, w + 8, w + 16, ...
+
+// grid (ceil(R / 32), ceil(H / MIX_HEADS), t), block MEMRA_BLOCK: lane = channel k, warp = a
+// fixed share of the list (a split size of MIX_SPAN entries, never a split count). The 8 warp
+// partials are added in warp order. Invalid entries have p = 0 and read a zero row value.
+extern "C" __global__ void mla_mix(const float* probs, const float* latent, const int* positions,
+                                   float* out, int H, int R, int W) {
+    constexpr int WARPS = MEMRA_BLOCK / 32;
+    __shared__ float part[WARPS][MIX_HEADS][32];
+    const int r = blockIdx.z, h0 = blockIdx.y * MIX_HEADS, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int k = blockIdx.x * 32 + lane;
+    const int* pos = positions + (long long)r * W;
+    const float* p = probs + ((long long)r * H + h0) * W;
+    const int nh = min(MIX_HEADS, H - h0);
+    float acc[MIX_HEADS];
+#pragma unroll
+    for (int i = 0; i < MIX_HEADS; ++i) acc[i] = 0.0f;
+    for (int j0 = warp * MIX_SPAN; j0 < W; j0 += WARPS * MIX_SPAN) {
+        const int n = min(MIX_SPAN, W - j0);
+#pragma unroll 8
+        for (int e = 0; e < n; ++e) {
+            const int c = pos[j0 + e];
+            const float v = c >= 0 && k < R ? latent[(long long)c * R + k] : 0.0f;
+#pragma unroll
+            for (int i = 0; i < MIX_HEADS; ++i)
+                if (i < nh) acc[i] = acc[i] + p[(long long)i * W + j0 + e] * v;
         }
-        o[k] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < MIX_HEADS; ++i) part[warp][i][lane] = acc[i];
+    __syncthreads();
+    static_assert(WARPS == MIX_HEADS, "the combine gives each warp one head");
+    const int i = warp;
+    if (i < nh && k < R) {
+        float sum = part[0][i][lane];
+        for (int w = 1; w < WARPS; ++w) sum += part[w][i][lane];
+        out[((long long)r * H + h0 + i) * R + k] = sum;
     }
 }

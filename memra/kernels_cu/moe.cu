@@ -41,11 +41,11 @@ extern "C" __global__ void moe_router_logits(const float* x, const float* w_gate
     }
 }
 
-// Sum of the two largest biased scores in group g (counted with multiplicity).
-static __device__ float group_score(const float* s, const float* bias, int g, int gsize) {
+// Sum of the two largest biased scores in group g (counted with multiplicity); s strided by st.
+static __device__ float group_score(const float* s, int st, const float* bias, int g, int gsize) {
     float m1 = __int_as_float(0xff800000), m2 = m1;
     for (int e = g * gsize; e < (g + 1) * gsize; ++e) {
-        float v = s[e] + bias[e];
+        float v = s[e * st] + bias[e];
         if (v > m1) {
             m2 = m1;
             m1 = v;
@@ -58,19 +58,23 @@ static __device__ float group_score(const float* s, const float* bias, int g, in
 
 // One thread per row: sigmoid scores, best groups, best experts inside them (each chosen one at
 // a time as the best candidate ranking after the previous winner), ascending experts, weights
-// from the unbiased scores. probs: scratch [t, E]. k <= 32 and n_group <= 64 (wrapper checks).
-extern "C" __global__ void moe_route_select(const float* logits, const float* bias, float* probs,
+// from the unbiased scores. k <= 32 and n_group <= 64 (wrapper checks). The row's scores live
+// in shared memory (the selection passes re-read them k times): dynamic size E * blockDim.x
+// floats, thread i's score of expert e at e * blockDim.x + i (no bank conflicts).
+extern "C" __global__ void moe_route_select(const float* logits, const float* bias,
                                             long long* experts, float* weights, int t, int E,
                                             int n_group, int topk_group, int k, int renormalize,
                                             float scaling) {
+    extern __shared__ float scores[];
     int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= t) return;
     const float* lg = logits + (long long)r * E;
-    float* s = probs + (long long)r * E;
+    float* s = scores + threadIdx.x;
+    const int st = blockDim.x;
     for (int e = 0; e < E; ++e) {
         float z = lg[e];
         float ez = expf(-fabsf(z));  // overflow-free sigmoid, as the reference computes it
-        s[e] = z >= 0.0f ? 1.0f / (1.0f + ez) : ez / (1.0f + ez);
+        s[e * st] = z >= 0.0f ? 1.0f / (1.0f + ez) : ez / (1.0f + ez);
     }
     int gsize = E / n_group;
     unsigned long long keep = 0ull;
@@ -80,7 +84,7 @@ extern "C" __global__ void moe_route_select(const float* logits, const float* bi
         float best_v = 0.0f;
         int best_i = -1;
         for (int g = 0; g < n_group; ++g) {
-            float v = group_score(s, bias, g, gsize);
+            float v = group_score(s, st, bias, g, gsize);
             bool after = prev_i < 0 || ranks_before(prev_v, prev_i, v, g);
             if (after && ranks_before(v, g, best_v, best_i)) {
                 best_v = v;
@@ -98,7 +102,7 @@ extern "C" __global__ void moe_route_select(const float* logits, const float* bi
         int best_i = -1;
         for (int e = 0; e < E; ++e) {
             if (!((keep >> (e / gsize)) & 1ull)) continue;
-            float v = s[e] + bias[e];
+            float v = s[e * st] + bias[e];
             bool after = prev_i < 0 || ranks_before(prev_v, prev_i, v, e);
             if (after && ranks_before(v, e, best_v, best_i)) {
                 best_v = v;
@@ -118,9 +122,9 @@ extern "C" __global__ void moe_route_select(const float* logits, const float* bi
         chosen[c + 1] = v;
     }
     float sum = 0.0f;
-    for (int b = 0; b < k; ++b) sum += s[chosen[b]];
+    for (int b = 0; b < k; ++b) sum += s[chosen[b] * st];
     for (int b = 0; b < k; ++b) {
-        float wt = s[chosen[b]];
+        float wt = s[chosen[b] * st];
         if (renormalize) wt = wt / (sum + 1e-20f);
         experts[(long long)r * k + b] = chosen[b];
         weights[(long long)r * k + b] = wt * scaling;

@@ -12,42 +12,22 @@ stderr and ONE JSON line on stdout (device, date, config, git sha, every number)
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
 import cupy as cp
 
-from memra.backend.cuda import CudaBackend
-from memra.safetensors_io import f32_to_bf16
+if __package__ in (None, ""):  # run as `python benchmarks/bench_ops.py`: `benchmarks` is at the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import copy_bandwidth_gbs, emit, record_header, time_ms  # noqa: E402
+from memra.backend.cuda import CudaBackend  # noqa: E402
+from memra.safetensors_io import f32_to_bf16  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 15)
 SHAPES = {"proj_4096x4096": (4096, 4096), "ffn_4096x12288": (4096, 12288), "lm_head_4096x154880": (4096, 154880)}
-
-
-def time_ms(fn, reps: int = 50, warmup: int = 5) -> float:
-    """Median milliseconds of fn() over reps, CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end))
-    return float(np.median(times))
-
-
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    src = cp.ones(nbytes // 4, dtype=cp.float32)
-    dst = cp.empty_like(src)
-    ms = time_ms(lambda: cp.copyto(dst, src), reps=20)
-    return 2 * nbytes / (ms * 1e-3) / 1e9  # read + write
 
 
 def bench_linear(be, rng) -> dict:
@@ -68,7 +48,27 @@ def bench_linear(be, rng) -> dict:
     return out
 
 
+PEER_TOLERANCE = 1e-4  # max relative diff for memra and a peer to count as doing the same math
+
+
+def _gbs(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def _fla_or_reason():
+    """(fla module, None), or (None, why not): bench_ops still runs on a host without the wheel."""
+    try:
+        import fla.ops.kda  # Triton compiles nothing until the first call
+    except Exception as e:  # ImportError, or triton refusing this host at import
+        return None, f"{type(e).__name__}: {e}"
+    return fla, None
+
+
 def bench_kda(be, rng, heads: int = 64, dk: int = 128) -> dict:
+    """memra's KDA recurrence against fla's fused_recurrent_kda on the same fp32 inputs
+    (peers.fla_inputs maps the conventions). Bytes: the fp32 state read and written once per call,
+    plus q, k, v, g, beta read and o written."""
+    fla, missing = _fla_or_reason()
     f = lambda *s: cp.asarray(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     out = {}
     for t in (1, 8):
@@ -76,21 +76,77 @@ def bench_kda(be, rng, heads: int = 64, dk: int = 128) -> dict:
         g = -cp.abs(f(t, heads, dk)) * np.float32(0.1)
         beta = be.sigmoid(f(t, heads))
         state = f(heads, dk, dk)
-        ms = time_ms(lambda: be.kda_recurrence(q, k, v, g, beta, state))
-        out[f"kda_recurrence_t{t}"] = {"ms": ms, "state_bytes": int(state.nbytes)}
+        nbytes = 2 * state.nbytes + sum(a.nbytes for a in (q, k, v, g, beta)) + v.nbytes  # + o
+        peer = _kda_fla(fla, be, nbytes, q, k, v, g, beta, state) if fla else None
+        ms = time_ms(lambda: be.kda_recurrence(q, k, v, g, beta, state))  # advances state in place
+        entry = {"memra_ms": ms, "memra_gbs": _gbs(nbytes, ms), "bytes": int(nbytes),
+                 "state_bytes": int(state.nbytes), "fla": peer}
+        if peer:
+            entry["ratio"] = ms / peer["ms"]
+        else:
+            entry["fla_missing"] = missing
+        out[f"kda_recurrence_t{t}"] = entry
     return out
 
 
+def _kda_fla(fla, be, nbytes: int, q, k, v, g, beta, state) -> dict:
+    """fla's time on memra's inputs, and how far its o and final state are from memra's."""
+    import torch
+
+    from benchmarks.peers import fla_inputs, kda_fla, max_rel_diff
+
+    tv = lambda a: torch.as_tensor(a, device="cuda")  # noqa: E731  zero-copy view of a cupy array
+    ours_state = state.copy()
+    ours = be.kda_recurrence(q, k, v, g, beta, ours_state)
+    ref, ref_state = kda_fla(tv(q), tv(k), tv(v), tv(g), tv(beta), tv(state))
+    diff_o, diff_s = max_rel_diff(tv(ours), ref), max_rel_diff(tv(ours_state), ref_state)
+    args = fla_inputs(tv(q), tv(k), tv(v), tv(g), tv(beta), tv(state))
+    ms = time_ms(lambda: fla.ops.kda.fused_recurrent_kda(**args))  # reads state, never writes it
+    return {"version": fla.__version__, "ms": ms, "gbs": _gbs(nbytes, ms),
+            "dtype": f"inputs float32, o {ref.dtype}, state {ref_state.dtype}",
+            "max_rel_diff_o": diff_o, "max_rel_diff_state": diff_s,
+            "agree": max(diff_o, diff_s) < PEER_TOLERANCE}
+
+
 def bench_mla(be, rng, heads: int = 64, rank: int = 512, ctx: int = 4096, width: int = 2048 + 15) -> dict:
+    """memra's absorbed MLA decode attention against peers.mla_attend_torch (gather + einsum +
+    softmax, fp32) on the same inputs. Bytes counted: each query row's selected latent rows, once."""
+    import torch
+
+    from benchmarks.peers import max_rel_diff, mla_attend_torch
+
+    scale = 0.0625
     latent = cp.asarray(rng.standard_normal((ctx, rank)).astype(np.float32))
     out = {}
     for t in (1, 8):
         q = cp.asarray(rng.standard_normal((t, heads, rank)).astype(np.float32))
         rows = [np.sort(rng.choice(ctx, width, replace=False)) for _ in range(t)]
         pos = cp.asarray(np.stack(rows).astype(np.int32))
-        ms = time_ms(lambda: be.mla_attend(q, latent, pos, 0.0625))
-        out[f"mla_attend_t{t}"] = {"ms": ms, "latent_bytes_read": int(t * width * rank * 4)}
+        tq, tlat, tpos = (torch.as_tensor(a, device="cuda") for a in (q, latent, pos))
+        ours = be.mla_attend(q, latent, pos, scale)
+        diff = max_rel_diff(torch.as_tensor(ours, device="cuda"), mla_attend_torch(tq, tlat, tpos, scale))
+        ms = time_ms(lambda: be.mla_attend(q, latent, pos, scale))
+        torch_ms = time_ms(lambda: mla_attend_torch(tq, tlat, tpos, scale))
+        nbytes = t * width * rank * 4
+        out[f"mla_attend_t{t}"] = {
+            "memra_ms": ms, "memra_gbs": _gbs(nbytes, ms), "latent_bytes_read": int(nbytes),
+            "torch": {"ms": torch_ms, "gbs": _gbs(nbytes, torch_ms), "max_rel_diff": diff,
+                      "agree": diff < PEER_TOLERANCE},
+            "ratio": ms / torch_ms}
     return out
+
+
+def peer_card(name: str, v: dict, peer: str, roof: float) -> str:
+    """One card line for a KDA/MLA entry; adds each side's fraction of copy bandwidth to v."""
+    v["memra_bandwidth_fraction"] = v["memra_gbs"] / roof
+    line = f"  {name:<20} memra {v['memra_ms']:8.3f} ms {100 * v['memra_bandwidth_fraction']:5.1f}% of copy bw"
+    if v[peer] is None:
+        return f"{line}  {peer}: unavailable ({v[f'{peer}_missing']})"
+    p = v[peer]
+    p["bandwidth_fraction"] = p["gbs"] / roof
+    diffs = ", ".join(f"{p[k]:.1e}" for k in p if k.startswith("max_rel_diff"))
+    return (f"{line}  {peer} {p['ms']:8.3f} ms {100 * p['bandwidth_fraction']:5.1f}%  ratio "
+            f"{v['ratio']:6.2f}  {'agree' if p['agree'] else 'DISAGREE'} (max rel diff {diffs})")
 
 
 def main(argv=None) -> int:
@@ -99,27 +155,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="also write the JSON record here")
     args = ap.parse_args(argv)
     be, rng = CudaBackend(), np.random.default_rng(0)
-    props = cp.cuda.runtime.getDeviceProperties(0)
     roof = copy_bandwidth_gbs()
-    record = {
-        "bench": "bench_ops", "git_sha": args.git_sha, "date": datetime.date.today().isoformat(),
-        "device": props["name"].decode(), "config": {"rows": ROWS, "shapes": SHAPES, "weights": "bf16"},
+    config = {"rows": ROWS, "shapes": SHAPES, "weights": "bf16"}
+    record = record_header("bench_ops", args.git_sha, config) | {
         "copy_bandwidth_gbs": roof,
         "linear": bench_linear(be, rng), **bench_kda(be, rng), **bench_mla(be, rng),
     }
     for v in record["linear"].values():
         v["bandwidth_fraction"] = v["weight_bytes"] / (v["memra_ms"] * 1e-3) / 1e9 / roof
-    print(f"bench_ops on {record['device']}  copy bandwidth {roof:.0f} GB/s", file=sys.stderr)
+    card = [f"bench_ops on {record['device']}  copy bandwidth {roof:.0f} GB/s"]
     for name, v in record["linear"].items():
-        print(f"  linear {name:<28} memra {v['memra_ms']:8.3f} ms  cuBLAS {v['cublas_bf16_ms']:8.3f} ms  "
-              f"ratio {v['ratio']:6.2f}  {100 * v['bandwidth_fraction']:5.1f}% of copy bw", file=sys.stderr)
+        card.append(f"  linear {name:<28} memra {v['memra_ms']:8.3f} ms  cuBLAS {v['cublas_bf16_ms']:8.3f} ms  "
+                    f"ratio {v['ratio']:6.2f}  {100 * v['bandwidth_fraction']:5.1f}% of copy bw")
     for name in ("kda_recurrence_t1", "kda_recurrence_t8", "mla_attend_t1", "mla_attend_t8"):
-        print(f"  {name:<35} {record[name]['ms']:8.3f} ms", file=sys.stderr)
-    line = json.dumps(record)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+        card.append(peer_card(name, record[name], "fla" if name.startswith("kda") else "torch", roof))
+    emit(record, card, args.out)
     return 0
 
 

@@ -326,8 +326,9 @@ def load_checkpoint(path, cfg: ModelConfig, keep_bf16: bool = False) -> dict[str
 _LOGIT_STD = 2.5  # target spread of fixture logits over the vocab
 
 
-def _fixture_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> np.ndarray:
-    """One deterministic random tensor; every constant-initialised HF parameter is randomised."""
+def fixture_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> np.ndarray:
+    """One deterministic random float32 tensor of the fixture checkpoint (write_fixture writes them;
+    the benchmarks build them in memory); every constant-initialised HF parameter is randomised."""
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])  # per-name: adding a tensor shifts none
     d, n = cfg.hidden_size, cfg.hc_mult
     leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name.rsplit(".", 1)[-1]
@@ -380,6 +381,6 @@ def write_fixture(dir, config_dict: dict, seed: int = 0, dtype: str = "float32")
     tensors = {}
     for name, shape in expected_tensors(cfg).items():
         disk = name if name == "lm_head.weight" else "model." + name
-        tensors[disk] = _fixture_tensor(name, shape, cfg, seed)
+        tensors[disk] = fixture_tensor(name, shape, cfg, seed)
     write_safetensors(os.path.join(dir, SINGLE_FILE), tensors, dtype=dtype, metadata={"format": "pt"})
     return dir

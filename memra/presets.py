@@ -1,4 +1,5 @@
-"""Named config dicts: `mini` (the seed fixture, verbatim) and `small` (the CPU-test model).
+"""Named config dicts: `mini` (the seed fixture, verbatim), `small` (the CPU-test model) and
+`bench` / `bench-dense` (GLM-5-Next's real per-layer widths in 12 layers, for the GPU benchmarks).
 
     from memra.config import preset
     cfg_dict = preset("small")
@@ -126,11 +127,69 @@ _SMALL = {
     "eos_token_id": 255,
 }
 
-_PRESETS = {"mini": _MINI, "small": _SMALL}
+# GPU-benchmark scale: every width of the real model (research/glm5_checkpoint.md section 0), but
+# 12 layers with the real schedule (DSA at i % 4 == 3, an indexer on every DSA layer) and 64 routed
+# experts, so bf16 weights (~46 GB) fit one GPU. index_kpool is transformers' class default 16
+# (the release itself is read as 4 there).
+_BENCH = {
+    "model_type": "glm5_next_text",
+    "num_hidden_layers": 12,
+    "num_nextn_predict_layers": 1,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "vocab_size": 154880,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "hidden_act": "silu",
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": False,
+    "hc_mult": 4,
+    "hc_eps": 1e-06,
+    "hc_sinkhorn_iters": 20,
+    "layer_types": ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(12)],
+    "mlp_layer_types": ["dense"] + ["sparse"] * 11,
+    "indexer_types": ["full"] * 12,
+    "linear_attn_config": {
+        "num_heads": 64,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "kda_layers": [i for i in range(12) if i % 4 != 3],
+        "full_attn_layers": [3, 7, 11],
+    },
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 256,
+    "qk_rope_head_dim": 0,
+    "v_head_dim": 256,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+    "index_kpool": 16,
+    "index_kpool_always_select_tail": True,
+    "index_kpool_compress": True,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
+# The same trunk with a dense FFN in every layer: attention, KDA and the lm head alone (the MTP
+# block stays MoE, as in every checkpoint).
+_BENCH_DENSE = {**_BENCH, "mlp_layer_types": ["dense"] * 12}
+
+_PRESETS = {"mini": _MINI, "small": _SMALL, "bench": _BENCH, "bench-dense": _BENCH_DENSE}
 
 
 def preset(name: str) -> dict:
-    """A fresh copy of a named config dict (`mini`: the seed fixture; `small`: CPU tests)."""
+    """A fresh copy of a named config dict (`mini`: the seed fixture; `small`: CPU tests;
+    `bench`, `bench-dense`: GPU benchmarks)."""
     if name not in _PRESETS:
         raise ConfigError(f"unknown preset {name!r}: choose one of {sorted(_PRESETS)}")
     return copy.deepcopy(_PRESETS[name])

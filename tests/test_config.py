@@ -86,6 +86,24 @@ def test_small_preset_has_every_layer_kind_and_a_sparse_64_token_prompt():
     assert 64 > dense_threshold
 
 
+@pytest.mark.parametrize("name", ["bench", "bench-dense"])
+def test_bench_presets_have_the_real_widths_in_twelve_layers(name):
+    cfg = ModelConfig.from_dict(preset(name))
+    real = {"hidden_size": 4096, "vocab_size": 154880, "linear_num_heads": 64, "linear_head_dim": 128,
+            "linear_conv_kernel_dim": 4, "num_attention_heads": 64, "qk_nope_head_dim": 256, "v_head_dim": 256,
+            "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 0, "index_n_heads": 32,
+            "index_head_dim": 128, "index_topk": 2048, "index_kpool": 16, "moe_intermediate_size": 2048,
+            "num_experts_per_tok": 8, "n_shared_experts": 1, "intermediate_size": 12288, "hc_mult": 4,
+            "n_routed_experts": 64, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+            "routed_scaling_factor": 2.5, "swiglu_limit": 10.0, "rms_norm_eps": 1e-5}
+    assert {k: getattr(cfg, k) for k in real} == real
+    assert cfg.kda_layers == (0, 1, 2, 4, 5, 6, 8, 9, 10) and cfg.dsa_layers == (3, 7, 11)  # real: i % 4 == 3
+    assert set(cfg.indexer_types) == {"full"}
+    assert cfg.max_position_embeddings >= 4096 + 512  # the longest benchmark prompt, then decode
+    ffn = ["dense"] * 12 if name == "bench-dense" else ["dense"] + ["sparse"] * 11
+    assert list(cfg.mlp_layer_types) == ffn
+
+
 def test_preset_returns_a_fresh_copy_each_call():
     first = preset("small")
     first["hidden_size"] = 1

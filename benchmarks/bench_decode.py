@@ -1,0 +1,137 @@
+"""bench_decode: prefill and plain decode speed of the whole model, against the device's copy bandwidth.
+
+    python benchmarks/bench_decode.py --preset bench --backend cuda --git-sha SHA \
+        [--out F] [--steps 32] [--context 512] [--prompt-lens 512,4096]
+
+Measures, in one run: device copy bandwidth (cuda only: the roof); prefill tokens/s for each
+prompt length (model.prime on a fresh cache, random ids; one short warmup prime first, so kernel
+compilation is excluded); plain greedy decode after a --context-token prime: ms/step, tokens/s,
+the weight bytes a step reads (trunk arrays, the num_experts_per_tok routed experts each MoE layer
+reads plus its shared expert, the lm head, one embedding row; not the MTP block) and its fraction
+of the copy bandwidth, the state bytes it reads (reported apart), memra kernel launches per step
+and the host's share of a step (its wall time minus the time blocked waiting for the logits).
+CUDA graph replay is not implemented yet: recorded as null. Prints a card on stderr and ONE JSON
+line on stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as `python benchmarks/bench_decode.py`: `benchmarks` is at the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    WARMUP_STEPS, bandwidth_fraction, build_model, copy_bandwidth_gbs, counted_launches, emit,
+    greedy_steps, int_list, model_args, model_config, moe_layer_count, prime_context, random_tokens,
+    record_header, state_bytes, timed_call, weight_bytes,
+)
+
+WARMUP_PROMPT = 32   # tokens of the untimed prime that compiles every kernel family
+COUNTED_STEPS = 4    # decode steps run again with launches counted (counting slows the host)
+GRAPH_NOTE = "CUDA graph capture of the decode step is not implemented yet: eager launches only"
+
+
+def prefill(model, lengths: list[int], seed: int, cuda: bool) -> dict:
+    warm = min(WARMUP_PROMPT, *lengths)
+    model.prime(random_tokens(model.cfg, warm, seed), model.new_cache(warm))
+    out = {}
+    for n in lengths:
+        tokens, cache = random_tokens(model.cfg, n, seed), model.new_cache(n)
+        ms, _ = timed_call(partial(model.prime, tokens, cache), cuda)
+        out[f"prompt_{n}"] = {"tokens": n, "ms": ms, "tokens_per_s": n / ms * 1e3}
+    return out
+
+
+@contextlib.contextmanager
+def blocked_on_logits(be):
+    """Seconds the host spends inside be.to_host: waiting for the device to finish the step,
+    then copying the logits back. A step's wall time minus this is the host's own work."""
+    inner, spent = be.to_host, [0.0]
+
+    def timed(a):
+        start = time.perf_counter()
+        out = inner(a)
+        spent[0] += time.perf_counter() - start
+        return out
+
+    be.to_host = timed
+    try:
+        yield spent
+    finally:
+        del be.to_host
+
+
+def decode(model, args, roof: float | None, cuda: bool) -> dict:
+    room = WARMUP_STEPS + args.steps + COUNTED_STEPS
+    cache, token = prime_context(model, args.context, room, args.seed)
+    _, token = greedy_steps(model, cache, token, WARMUP_STEPS, cuda)
+    state = state_bytes(model, cache, rows=1)
+    with blocked_on_logits(model.be) as blocked:
+        wall = time.perf_counter()
+        times, token = greedy_steps(model, cache, token, args.steps, cuda)
+        wall = time.perf_counter() - wall
+    with counted_launches() as launches:
+        greedy_steps(model, cache, token, COUNTED_STEPS, cuda)
+    # t = 1: the k experts a row picks are distinct, so k per MoE layer is exact
+    weights = weight_bytes(model, [model.cfg.num_experts_per_tok] * moe_layer_count(model), rows=1)
+    ms = float(np.median(times))
+    host_ms = (wall - blocked[0]) * 1e3 / args.steps
+    return {
+        "context": args.context, "steps": args.steps, "ms_per_step": ms,
+        "ms_per_step_mean": float(np.mean(times)), "tokens_per_s": args.steps / sum(times) * 1e3,
+        "weight_bytes_per_step": weights["total"], "weight_bytes": weights,
+        "bandwidth_fraction": bandwidth_fraction(weights["total"], ms, roof),
+        "state_bytes_per_step": state["total"], "state_bytes": state,
+        "state_bytes_at_position": args.context + WARMUP_STEPS,
+        "launches_per_step": None if launches is None else sum(launches.values()) / COUNTED_STEPS,
+        "launches_by_kernel": None if launches is None else {
+            k: v / COUNTED_STEPS for k, v in sorted(launches.items())},
+        "host_ms_per_step": host_ms, "host_share": host_ms / ms,
+        "graph_replay": None, "graph_note": GRAPH_NOTE,
+    }
+
+
+def card(record: dict) -> list[str]:
+    d, roof = record["decode"], record["copy_bandwidth_gbs"]
+    lines = [f"bench_decode {record['config']['preset']} on {record['device']}"
+             + (f"  copy bandwidth {roof:.0f} GB/s" if roof else "")]
+    for name, p in record["prefill"].items():
+        lines.append(f"  prefill {name:<12} {p['ms']:10.2f} ms  {p['tokens_per_s']:10.0f} tokens/s")
+    frac = d["bandwidth_fraction"]
+    lines.append(f"  decode  {d['ms_per_step']:8.3f} ms/step  {d['tokens_per_s']:8.1f} tokens/s  "
+                 f"weights {d['weight_bytes_per_step'] / 1e9:6.2f} GB/step"
+                 + (f"  {100 * frac:5.1f}% of copy bw" if frac is not None else "")
+                 + f"  state {d['state_bytes_per_step'] / 1e6:7.1f} MB/step")
+    launches = d["launches_per_step"]
+    lines.append(f"  host    {d['host_ms_per_step']:8.3f} ms/step ({100 * d['host_share']:5.1f}% of a step)"
+                 + (f"  {launches:.0f} memra launches/step" if launches is not None else "")
+                 + "  graph replay: not implemented")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = model_args(__doc__)
+    ap.add_argument("--prompt-lens", type=int_list, default=[512, 4096], help="prefill lengths, e.g. 512,4096")
+    args = ap.parse_args(argv)
+    model = build_model(args.preset, args.backend, args.seed)
+    cuda = args.backend == "cuda"
+    roof = copy_bandwidth_gbs() if cuda else None
+    config = model_config(args, model, prompt_lens=args.prompt_lens)
+    record = record_header("bench_decode", args.git_sha, config, args.backend) | {
+        "copy_bandwidth_gbs": roof,
+        "prefill": prefill(model, args.prompt_lens, args.seed, cuda),
+        "decode": decode(model, args, roof, cuda),
+    }
+    emit(record, card(record), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""bench_verify: one verify walk of t rows against one plain decode step, and against the roof.
+
+    python benchmarks/bench_verify.py --preset bench --backend cuda --git-sha SHA \
+        [--out F] [--steps 32] [--context 512] [--rows 1-15] [--reps 10]
+
+After a --context-token prime, for each t in --rows: the time of model.verify_rows over t rows
+(the anchor and its greedy continuation: the rows a fully accepted round verifies), and apart
+from it the time of model.rollback(keep=1) (every draft rejected); then the walk is undone from
+its checkpoint, so every repetition starts from the same cache. Also: the ratio to a plain
+decode step timed in the same run, the weight bytes the walk reads (trunk arrays once, the
+distinct routed experts its rows picked, recorded in an untimed walk; exact on bench-dense too),
+the state bytes it reads, and the fraction of the copy bandwidth (cuda only). Prints a card on
+stderr and ONE JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as `python benchmarks/bench_verify.py`: `benchmarks` is at the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    WARMUP_STEPS, bandwidth_fraction, build_model, copy_bandwidth_gbs, counted_launches, emit,
+    greedy_steps, int_list, model_args, model_config, prime_context, record_header, routed_experts,
+    state_bytes, timed_call, weight_bytes,
+)
+from memra.model.trunk import VERIFY_CAP  # noqa: E402
+
+
+def undo(cache, ckpt) -> None:
+    """Put the cache back where the checkpoint's verify walk found it (keep=0, which rollback
+    refuses: a round always keeps its anchor row), from the checkpoint's own snapshots."""
+    for i, st in cache.kda.items():
+        st.ring[...] = ckpt.kda[i]["ring"]
+        st.state[...] = ckpt.kda[i]["state"]
+    for i, plane in cache.mla.items():
+        plane.truncate(ckpt.latent_len[i], cache.config.index_kpool)
+    cache.pos = ckpt.pos
+
+
+def greedy_tape(model, cache, anchor: int, n: int) -> list[int]:
+    """The anchor and its n - 1 greedy successors, each from a walk undone at once (row r of a
+    walk is the plain decode step). Runs every row count below n: the warmup."""
+    tape = [anchor]
+    while len(tape) < n:
+        logits, _, ckpt = model.verify_rows(tape, cache)
+        undo(cache, ckpt)
+        tape.append(int(np.argmax(logits[-1])))
+    return tape
+
+
+def walk(model, cache, tokens: list[int], reps: int, roof: float | None, cuda: bool) -> dict:
+    with routed_experts(model.be) as picked, counted_launches() as launches:
+        _, _, ckpt = model.verify_rows(tokens, cache)
+    undo(cache, ckpt)
+    verify, rollback = [], []
+    for _ in range(reps):
+        ms, (_, _, ckpt) = timed_call(partial(model.verify_rows, tokens, cache), cuda)
+        verify.append(ms)
+        rollback.append(timed_call(partial(model.rollback, cache, ckpt, 1), cuda)[0])
+        undo(cache, ckpt)
+    t, ms = len(tokens), float(np.median(verify))
+    weights = weight_bytes(model, picked, rows=t)
+    state = state_bytes(model, cache, rows=t, snapshot=True)
+    return {
+        "rows": t, "verify_ms": ms, "rollback_keep1_ms": float(np.median(rollback)),
+        "weight_bytes": weights["total"], "weight_bytes_by_part": weights,
+        "distinct_experts_per_moe_layer": picked,
+        "bandwidth_fraction": bandwidth_fraction(weights["total"], ms, roof),
+        "state_bytes": state["total"], "state_bytes_by_part": state,
+        "launches": None if launches is None else sum(launches.values()),
+    }
+
+
+def card(record: dict) -> list[str]:
+    roof = record["copy_bandwidth_gbs"]
+    lines = [f"bench_verify {record['config']['preset']} on {record['device']}"
+             + (f"  copy bandwidth {roof:.0f} GB/s" if roof else "")
+             + f"  decode step {record['decode_ms']:.3f} ms"]
+    for w in record["verify"].values():
+        frac = w["bandwidth_fraction"]
+        lines.append(f"  t={w['rows']:<2} verify {w['verify_ms']:8.3f} ms  x{w['ratio_to_decode']:5.2f} decode  "
+                     f"rollback {w['rollback_keep1_ms']:7.3f} ms  weights {w['weight_bytes'] / 1e9:6.2f} GB"
+                     + (f"  {100 * frac:5.1f}% of copy bw" if frac is not None else ""))
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = model_args(__doc__)
+    ap.add_argument("--rows", type=int_list, default=list(range(1, VERIFY_CAP + 1)),
+                    help="row counts t, e.g. 1-15 (the default) or 1,8")
+    ap.add_argument("--reps", type=int, default=10, help="timed walks per row count")
+    args = ap.parse_args(argv)
+    model = build_model(args.preset, args.backend, args.seed)
+    cuda = args.backend == "cuda"
+    roof = copy_bandwidth_gbs() if cuda else None
+    cache, anchor = prime_context(model, args.context, VERIFY_CAP + WARMUP_STEPS + args.steps, args.seed)
+    tape = greedy_tape(model, cache, anchor, max(args.rows))
+    walks = {f"t{t}": walk(model, cache, tape[:t], args.reps, roof, cuda) for t in args.rows}
+    times, _ = greedy_steps(model, cache, anchor, WARMUP_STEPS + args.steps, cuda)
+    decode_ms = float(np.median(times[WARMUP_STEPS:]))
+    for w in walks.values():
+        w["ratio_to_decode"] = w["verify_ms"] / decode_ms
+    config = model_config(args, model, rows=args.rows, reps=args.reps)
+    record = record_header("bench_verify", args.git_sha, config, args.backend) | {
+        "copy_bandwidth_gbs": roof, "decode_ms": decode_ms, "verify": walks,
+    }
+    emit(record, card(record), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""What the benchmark scripts share: the model under test, timing, the copy-bandwidth roof, the
+bytes a walk reads, and the record each script prints (a card on stderr, ONE JSON line on stdout).
+
+    model = build_model("bench", "cuda")            # Glm5Model, bf16 weights, built in memory
+    ms, logits = timed_call(partial(model.decode_step, tok, cache), cuda=True)
+    emit(record_header("bench_x", sha, config, "cuda") | numbers, card_lines, out_path)
+
+Why the weights are built in memory, not written by `write_fixture` and loaded: the `bench` preset
+holds ~46 GB of bf16 weights, and writing and reading them back would spend the GPU host's budget
+on disk traffic. `bench_weights` returns the dict `load_checkpoint(dir, cfg, keep_bf16=True)` gives
+for a bf16 `write_fixture` of the same config and seed, except that every tensor of at least
+POOLED_MIN elements is a view into ONE shared pool of N(0, 1/D) bf16 values at a per-name offset
+(the embedding and lm head, larger than the pool, are copied from pieces of it): timing depends
+on shapes and dtypes, not values, and the pool's scale keeps every projection's output O(1).
+Building takes seconds. Tensors below POOLED_MIN (norms, gates, routers, mHC, conv, the small KDA
+projections) are the fixture's own, bit for bit. The model then treats them as it treats a loaded
+checkpoint: projection matrices stay bf16 on the device (`be.matrix`), vectors, mHC weights,
+routers and the gathered embedding table are widened to float32 (`be.weight`).
+
+cupy is imported only on the cuda backend: CI runs the scripts on numpy, without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import datetime
+import functools
+import json
+import math
+import sys
+import time
+import zlib
+
+import numpy as np
+
+from memra.backend import get_backend
+from memra.checkpoint import expected_tensors, fixture_tensor
+from memra.config import ModelConfig, preset
+from memra.model.moe import Moe
+from memra.model.trunk import Glm5Model
+from memra.safetensors_io import f32_to_bf16
+
+POOL_ELEMENTS = 1 << 26  # 64M bf16 values (128 MB) back every large tensor
+POOLED_MIN = 1 << 20     # tensors with at least this many elements are pool views
+WARMUP_STEPS = 2         # untimed decode steps before a timed run
+
+
+# ---- the model under test ---------------------------------------------------------------------
+
+def bench_weights(cfg: ModelConfig, seed: int = 0, pooled_min: int = POOLED_MIN) -> dict[str, np.ndarray]:
+    """Canonical name -> bf16 bits (uint16) for every tensor of `cfg` (see the module docstring)."""
+    shapes = expected_tensors(cfg)
+    pooled = {name for name, shape in shapes.items() if math.prod(shape) >= pooled_min}
+    pool = _pool(cfg, seed, min(POOL_ELEMENTS, sum(math.prod(shapes[n]) for n in pooled))) if pooled else None
+    out = {}
+    for name, shape in shapes.items():
+        if name in pooled:
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            out[name] = _pool_slice(pool, math.prod(shape), rng).reshape(shape)
+        else:
+            out[name] = f32_to_bf16(fixture_tensor(name, shape, cfg, seed))
+    if "embed_tokens.weight" in pooled and not cfg.tie_word_embeddings:
+        # the table is gathered, not projected: give it the fixture's unit scale back by moving the
+        # bf16 exponent field (times a power of two: exact, and no value nears the field's ends)
+        shift = round(math.log2(cfg.hidden_size) / 2)
+        out["embed_tokens.weight"] = out["embed_tokens.weight"] + np.uint16(shift << 7)
+    return out
+
+
+def _pool(cfg: ModelConfig, seed: int, n: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, zlib.crc32(b"bench pool")])
+    return f32_to_bf16(rng.standard_normal(n, dtype=np.float32) * np.float32(cfg.hidden_size ** -0.5))
+
+
+def _pool_slice(pool: np.ndarray, n: int, rng) -> np.ndarray:
+    """n pool values from a random offset: a view, or for a tensor larger than the pool (the
+    embedding, the lm head) a copy of half-pool pieces from random offsets, so its rows do not
+    repeat with the pool's period."""
+    if n <= pool.size:
+        start = int(rng.integers(0, pool.size - n + 1))
+        return pool[start:start + n]
+    piece = pool.size // 2
+    starts = rng.integers(0, pool.size - piece + 1, size=-(-n // piece))
+    return np.concatenate([pool[s:s + piece] for s in starts])[:n]
+
+
+def build_model(preset_name: str, backend_name: str, seed: int = 0) -> Glm5Model:
+    """A preset's Glm5Model on a backend ("numpy" | "cuda"), weights from `bench_weights`."""
+    cfg = ModelConfig.from_dict(preset(preset_name))
+    return Glm5Model(cfg, bench_weights(cfg, seed), get_backend(backend_name))
+
+
+def random_tokens(cfg: ModelConfig, n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, n)
+
+
+def prime_context(model: Glm5Model, n: int, room: int, seed: int):
+    """A cache primed with n random tokens, with room for `room` more -> (cache, greedy next token)."""
+    cache = model.new_cache(n + room)
+    logits = model.prime(random_tokens(model.cfg, n, seed), cache)
+    return cache, int(np.argmax(logits))
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+def timed_call(fn, cuda: bool):
+    """(milliseconds, result) of one fn() call: CUDA events around it on the GPU, perf_counter
+    on the host."""
+    if not cuda:
+        start = time.perf_counter()
+        result = fn()
+        return (time.perf_counter() - start) * 1e3, result
+    import cupy as cp
+
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    result = fn()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end), result
+
+
+def time_ms(fn, reps: int = 50, warmup: int = 5, cuda: bool = True) -> float:
+    """Median milliseconds of fn() over reps, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    return float(np.median([timed_call(fn, cuda)[0] for _ in range(reps)]))
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second, in GB/s): the roof."""
+    import cupy as cp
+
+    src = cp.ones(nbytes // 4, dtype=cp.float32)
+    dst = cp.empty_like(src)
+    ms = time_ms(lambda: cp.copyto(dst, src), reps=20)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def greedy_steps(model: Glm5Model, cache, token: int, steps: int, cuda: bool):
+    """`steps` plain decode steps, each fed the previous argmax -> (ms of each step, next token)."""
+    times = []
+    for _ in range(steps):
+        ms, logits = timed_call(functools.partial(model.decode_step, token, cache), cuda)
+        times.append(ms)
+        token = int(np.argmax(logits))
+    return times, token
+
+
+@contextlib.contextmanager
+def counted_launches():
+    """Count memra kernel launches by "family.kernel", by wrapping `launch` where each
+    memra.backend.cuda_* module imported it. Yields None on a backend without kernels. CuPy's own
+    elementwise and copy kernels do not go through `launch` and are not counted."""
+    runtime = sys.modules.get("memra.backend.cuda_runtime")
+    if runtime is None:
+        yield None
+        return
+    inner, counts = runtime.launch, collections.Counter()
+
+    def counting(family, name, *args, **kwargs):
+        counts[f"{family}.{name}"] += 1
+        return inner(family, name, *args, **kwargs)
+
+    modules = [m for n, m in list(sys.modules.items())
+               if n.startswith("memra.backend.cuda_") and getattr(m, "launch", None) is inner]
+    for m in modules:
+        m.launch = counting
+    try:
+        yield counts
+    finally:
+        for m in modules:
+            m.launch = inner
+
+
+@contextlib.contextmanager
+def routed_experts(be):
+    """Record, per moe_route call (one per MoE layer walked), how many distinct experts its rows
+    picked: the expert weights the walk reads. Wraps the backend instance's method only."""
+    inner, picked = be.moe_route, []
+
+    def recording(*args, **kwargs):
+        idx, wts = inner(*args, **kwargs)
+        picked.append(int(np.unique(be.to_host(idx)).size))
+        return idx, wts
+
+    be.moe_route = recording
+    try:
+        yield picked
+    finally:
+        del be.moe_route  # the class method shows through again
+
+
+# ---- bytes a walk reads -----------------------------------------------------------------------
+
+ROUTED_STACKS = ("gate_w", "up_w", "down_w")  # Moe's [E, ...] expert stacks: only picked experts are read
+
+
+def _is_array(v) -> bool:
+    return all(hasattr(v, a) for a in ("nbytes", "shape", "dtype"))
+
+
+def _block_bytes(block) -> tuple[int, int]:
+    """(bytes of the arrays `block` and its sub-blocks read whole on every walk, bytes of one
+    routed expert), from the arrays the block actually holds (so bf16 counts 2 bytes, f32 4)."""
+    whole = per_expert = 0
+    for name, v in vars(block).items():
+        if _is_array(v):
+            if isinstance(block, Moe) and name in ROUTED_STACKS:
+                per_expert += v.nbytes // v.shape[0]
+            else:
+                whole += v.nbytes
+        elif type(v).__module__.startswith("memra.model."):
+            w, e = _block_bytes(v)
+            whole, per_expert = whole + w, per_expert + e
+    return whole, per_expert
+
+
+def moe_layer_count(model: Glm5Model) -> int:
+    return sum(isinstance(layer.ffn, Moe) for layer in model.layers)
+
+
+def weight_bytes(model: Glm5Model, experts_read: list[int], rows: int) -> dict[str, int]:
+    """Weight bytes one trunk walk of `rows` tokens reads: every trunk layer's arrays once,
+    experts_read[j] routed experts of the j-th MoE layer, the final norm and lm head, one embedding
+    row per token. The MTP block is not part of a trunk walk."""
+    assert len(experts_read) == moe_layer_count(model), "one expert count per MoE layer"
+    trunk = routed = 0
+    moe_layers = iter(experts_read)
+    for layer in model.layers:
+        whole, per_expert = _block_bytes(layer)
+        trunk += whole
+        if isinstance(layer.ffn, Moe):
+            routed += next(moe_layers) * per_expert
+    table = model.embed_table
+    out = {
+        "trunk": trunk, "routed_experts": routed,
+        "lm_head": int(model.lm_head.nbytes + model.final_norm.nbytes),
+        "embedding_rows": int(rows * table.nbytes // table.shape[0]),
+    }
+    return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
+
+
+def state_bytes(model: Glm5Model, cache, rows: int, snapshot: bool = False) -> dict[str, int]:
+    """Cache bytes one walk of `rows` tokens at cache.pos reads: each KDA layer's recurrent state
+    and conv ring (once per walk; with `snapshot`, a verify walk's rollback copy reads and writes
+    them once more), each DSA row's attended latent rows, and the pool keys a full indexer scores
+    once its rows see more pools than the budget."""
+    cfg, pos = model.cfg, cache.pos
+    pool, budget = cfg.index_kpool, cfg.index_pool_budget
+    kda = sum(st.state.nbytes + st.ring.nbytes for st in cache.kda.values())
+    latent = keys = 0
+    for plane in cache.mla.values():
+        row = plane.latent.nbytes // plane.latent.shape[0]
+        for p in range(pos, pos + rows):
+            seen = (p + 1) // pool
+            latent += row * (p + 1 if seen <= budget else budget * pool + (p + 1) % pool)
+        scored = (pos + rows) // pool
+        if plane.pool_keys is not None and scored > budget:
+            keys += rows * scored * (plane.pool_keys.nbytes // plane.pool_keys.shape[0])
+    out = {"kda_state": kda, "mla_latent": latent, "index_pool_keys": keys}
+    if snapshot:
+        out["kda_snapshot"] = 2 * kda
+    return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
+
+
+def bandwidth_fraction(nbytes: int, ms: float, roof_gbs: float | None) -> float | None:
+    return None if roof_gbs is None else nbytes / (ms * 1e-3) / 1e9 / roof_gbs
+
+
+# ---- the command line and the record ----------------------------------------------------------
+
+def int_list(text: str) -> list[int]:
+    """"512,4096" or "1-15" or "1-4,8" -> the integers, in order."""
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def model_args(doc: str) -> argparse.ArgumentParser:
+    """The options every model benchmark takes; a script adds its own."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--preset", default="bench", help="config preset (bench, bench-dense, small, mini)")
+    ap.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
+    ap.add_argument("--git-sha", required=True, help="the commit measured (recorded in the JSON)")
+    ap.add_argument("--out", help="also write the JSON record here")
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    ap.add_argument("--context", type=int, default=512, help="tokens primed before decode / verify")
+    ap.add_argument("--seed", type=int, default=0, help="weights and prompt tokens")
+    return ap
+
+
+def model_config(args, model: Glm5Model, **extra) -> dict:
+    """The `config` of a model benchmark's record: the options and the full model config."""
+    return {"preset": args.preset, "backend": args.backend, "seed": args.seed, "context": args.context,
+            "steps": args.steps, **extra, "weights": "bf16, built in memory (benchmarks/common.py)",
+            "model": model.cfg.to_dict()}
+
+
+def device_name(backend: str) -> str:
+    if backend != "cuda":
+        return "cpu"
+    import cupy as cp
+
+    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
+
+
+def record_header(bench: str, git_sha: str, config: dict, backend: str = "cuda") -> dict:
+    """The head of every record: what ran, where, when, on which commit."""
+    return {"bench": bench, "git_sha": git_sha, "date": datetime.date.today().isoformat(),
+            "device": device_name(backend), "config": config}
+
+
+def emit(record: dict, card_lines: list[str], out_path: str | None = None) -> None:
+    """The readable card on stderr, then the record as ONE JSON line on stdout (and in out_path)."""
+    for line in card_lines:
+        print(line, file=sys.stderr)
+    line = json.dumps(record)
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write(line + "\n")
+    print(line)

@@ -51,7 +51,7 @@ class RecurrentOps:
             chunks = (n * d + HC_CHUNK - 1) // HC_CHUNK
             part = cp.empty((t, chunks, (2 + n) * n + 1), cp.float32)
             launch("hyper", "hc_partials", (chunks, t), (BLOCK,), (streams, fn, part, i32(n), i32(d)))
-            launch("hyper", "hc_weights", (t,), (32,),
+            launch("hyper", "hc_weights", (t,), (HC_MAX_N * HC_MAX_N,),
                    (part, base, scale, pre, post, comb, i32(n), i32(d), i32(chunks), f32(rms_eps),
                     f32(hc_eps), i32(iters)))
         return pre, post, comb

@@ -19,10 +19,10 @@ import cupy as cp
 from memra.backend.cuda_runtime import BLOCK, check, f32, i32, launch
 
 WARPS = BLOCK // 32  # moe.cu: output units (one warp each) per block
-ROUTE_THREADS = 32  # moe_route_select: one thread per row
+ROUTE_ROWS = 4  # moe_route_select: one warp per row
 MAX_TOPK = 32  # moe_route_select keeps the chosen experts in a fixed local array
 MAX_GROUPS = 64  # ... and the kept groups in a 64-bit mask
-MAX_EXPERTS = 384  # ... and its rows' scores in 48 KB of shared memory
+MAX_EXPERTS = 3072  # ... and its rows' scores in 48 KB of shared memory
 
 
 def _blocks(n: int, per: int = BLOCK) -> int:
@@ -125,10 +125,10 @@ class SparseOps:
         logits = cp.empty((t, e), cp.float32)
         launch("moe", "moe_router_logits", (_blocks(e, WARPS),), (BLOCK,),
                (x, w_gate, logits, i32(t), i32(e), i32(d)))
-        launch("moe", "moe_route_select", (_blocks(t, ROUTE_THREADS),), (ROUTE_THREADS,),
+        launch("moe", "moe_route_select", (_blocks(t, ROUTE_ROWS),), (32 * ROUTE_ROWS,),
                (logits, bias, experts, weights, i32(t), i32(e), i32(n_group),
                 i32(topk_group), i32(k), i32(bool(renormalize)), f32(scaling)),
-               shared_mem=4 * e * ROUTE_THREADS)
+               shared_mem=4 * e * ROUTE_ROWS)
         return experts, weights
 
     def moe_experts(self, x, idx, wts, gate_w, up_w, down_w, limit: float):

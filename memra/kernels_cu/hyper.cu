@@ -20,23 +20,17 @@ static __device__ __forceinline__ float hc_warp_sum(float v) {
     return v;
 }
 
-// c[:, b] /= (sum_a c[a, b] + eps), sums in ascending a (the reference's sum(axis=0)).
-static __device__ void hc_normalise_columns(float* c, int n, float eps) {
-    for (int b = 0; b < n; ++b) {
-        float s = c[b];
-        for (int a = 1; a < n; ++a) s += c[a * n + b];
-        const float den = s + eps;
-        for (int a = 0; a < n; ++a) c[a * n + b] = c[a * n + b] / den;
+// Thread (a, b) of the n x n mixing matrix c (shared): c[a, b] /= (sum of its column + eps),
+// or of its row; every thread of a column (row) adds it in ascending order, the same bits.
+static __device__ void hc_normalise(float* c, int n, int a, int b, bool columns, float eps) {
+    float s = 0.0f;
+    if (a < n) {
+        s = columns ? c[b] : c[a * n];
+        for (int i = 1; i < n; ++i) s += columns ? c[i * n + b] : c[a * n + i];
     }
-}
-
-static __device__ void hc_normalise_rows(float* c, int n, float eps) {
-    for (int a = 0; a < n; ++a) {
-        float s = c[a * n];
-        for (int b = 1; b < n; ++b) s += c[a * n + b];
-        const float den = s + eps;
-        for (int b = 0; b < n; ++b) c[a * n + b] = c[a * n + b] / den;
-    }
+    __syncthreads();  // every sum is read before any entry changes
+    if (a < n) c[a * n + b] = c[a * n + b] / (s + eps);
+    __syncthreads();
 }
 
 // Site weights in two launches, so the (2+n)n x nD matvec spreads over many blocks instead of
@@ -77,51 +71,45 @@ extern "C" __global__ void hc_partials(const float* __restrict__ streams, const 
     }
 }
 
-// grid (t), block 32. base [(2+n)n]; scale [3]. Outputs pre [t, n], post [t, n], comb [t, n, n].
+// grid (t), block HC_MAX_N^2: thread (a, b) = (tid / n, tid % n). base [(2+n)n]; scale [3].
+// Outputs pre [t, n], post [t, n], comb [t, n, n], in the reference's operation order.
 extern "C" __global__ void hc_weights(const float* __restrict__ part, const float* __restrict__ base,
                                       const float* __restrict__ scale, float* __restrict__ pre,
                                       float* __restrict__ post, float* __restrict__ comb, int n,
                                       int d, int chunks, float rms_eps, float hc_eps, int iters) {
     __shared__ float m[HC_MAX_OUTS + 1];
-    const int r = blockIdx.x, outs = (2 + n) * n;
+    __shared__ float c[HC_MAX_N * HC_MAX_N];
+    const int r = blockIdx.x, outs = (2 + n) * n, a = threadIdx.x / n, b = threadIdx.x % n;
     const float* p = part + (long long)r * chunks * (outs + 1);
     for (int j = threadIdx.x; j <= outs; j += blockDim.x) {
         float sum = p[j];
-        for (int c = 1; c < chunks; ++c) sum += p[(long long)c * (outs + 1) + j];
+        for (int k = 1; k < chunks; ++k) sum += p[(long long)k * (outs + 1) + j];
         m[j] = sum;
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
     const float inv = 1.0f / sqrtf(m[outs] / (float)(n * d) + rms_eps);
-    for (int j = 0; j < outs; ++j) m[j] = m[j] * inv;
-
-    // The n + n + n*n epilogue is tiny: one thread, in the reference's exact operation order.
-    for (int i = 0; i < n; ++i) {
-        pre[r * n + i] = hc_sigmoid(m[i] * scale[0] + base[i]) + hc_eps;
-        post[r * n + i] = 2.0f * hc_sigmoid(m[n + i] * scale[1] + base[n + i]);
+    if (threadIdx.x < n) {
+        const int i = threadIdx.x;
+        pre[r * n + i] = hc_sigmoid(m[i] * inv * scale[0] + base[i]) + hc_eps;
+        post[r * n + i] = 2.0f * hc_sigmoid(m[n + i] * inv * scale[1] + base[n + i]);
     }
-    float c[HC_MAX_N * HC_MAX_N];
-    const float* mc = m + 2 * n;
-    const float* bc = base + 2 * n;
-    for (int a = 0; a < n; ++a) {  // row softmax of the logits, then + eps
+    // c = row softmax of the logits + eps: each thread of row a walks the row in order
+    if (a < n) {
+        const float* mc = m + 2 * n + a * n;
+        const float* bc = base + 2 * n + a * n;
         float mx = __int_as_float(0xff800000);  // -inf (no host math.h under NVRTC)
-        for (int b = 0; b < n; ++b) {
-            c[a * n + b] = mc[a * n + b] * scale[2] + bc[a * n + b];
-            mx = fmaxf(mx, c[a * n + b]);
-        }
+        for (int i = 0; i < n; ++i) mx = fmaxf(mx, mc[i] * inv * scale[2] + bc[i]);
         float s = 0.0f;
-        for (int b = 0; b < n; ++b) {
-            c[a * n + b] = expf(c[a * n + b] - mx);
-            s += c[a * n + b];
-        }
-        for (int b = 0; b < n; ++b) c[a * n + b] = c[a * n + b] / s + hc_eps;
+        for (int i = 0; i < n; ++i) s += expf(mc[i] * inv * scale[2] + bc[i] - mx);
+        c[a * n + b] = expf(mc[b] * inv * scale[2] + bc[b] - mx) / s + hc_eps;
     }
-    hc_normalise_columns(c, n, hc_eps);
+    __syncthreads();
+    hc_normalise(c, n, a, b, true, hc_eps);
     for (int it = 1; it < iters; ++it) {
-        hc_normalise_rows(c, n, hc_eps);
-        hc_normalise_columns(c, n, hc_eps);
+        hc_normalise(c, n, a, b, false, hc_eps);
+        hc_normalise(c, n, a, b, true, hc_eps);
     }
-    for (int i = 0; i < n * n; ++i) comb[(long long)r * n * n + i] = c[i];
+    if (a < n) comb[(long long)r * n * n + a * n + b] = c[a * n + b];
 }
 
 // out[r, k] = sum_i pre[r, i] X[r, i, k], streams accumulated 0..n-1. One thread per (r, k).

@@ -41,11 +41,11 @@ extern "C" __global__ void moe_router_logits(const float* x, const float* w_gate
     }
 }
 
-// Sum of the two largest biased scores in group g (counted with multiplicity); s strided by st.
-static __device__ float group_score(const float* s, int st, const float* bias, int g, int gsize) {
+// Sum of the two largest biased scores in group g (counted with multiplicity).
+static __device__ float group_score(const float* s, const float* bias, int g, int gsize) {
     float m1 = __int_as_float(0xff800000), m2 = m1;
     for (int e = g * gsize; e < (g + 1) * gsize; ++e) {
-        float v = s[e * st] + bias[e];
+        float v = s[e] + bias[e];
         if (v > m1) {
             m2 = m1;
             m1 = v;
@@ -56,41 +56,61 @@ static __device__ float group_score(const float* s, int st, const float* bias, i
     return m1 + m2;
 }
 
-// One thread per row: sigmoid scores, best groups, best experts inside them (each chosen one at
-// a time as the best candidate ranking after the previous winner), ascending experts, weights
-// from the unbiased scores. k <= 32 and n_group <= 64 (wrapper checks). The row's scores live
-// in shared memory (the selection passes re-read them k times): dynamic size E * blockDim.x
-// floats, thread i's score of expert e at e * blockDim.x + i (no bank conflicts).
+// The warp's best (v, i) under ranks_before. It is a strict total order, so the winner is the
+// same whatever the shape of the reduction (and the same as a serial scan).
+static __device__ __forceinline__ void warp_best(float& v, int& i) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ranks_before(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+}
+
+// One warp per row: sigmoid scores, best groups, best experts inside them (each chosen one at
+// a time as the best candidate ranking after the previous winner; lanes scan experts lane,
+// lane + 32, ... and the warp reduces), ascending experts, weights from the unbiased scores.
+// k <= 32 and n_group <= 64 (wrapper checks). Dynamic shared memory: E floats per warp.
 extern "C" __global__ void moe_route_select(const float* logits, const float* bias,
                                             long long* experts, float* weights, int t, int E,
                                             int n_group, int topk_group, int k, int renormalize,
                                             float scaling) {
     extern __shared__ float scores[];
-    int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= t) return;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int r = blockIdx.x * (blockDim.x / 32) + warp;
+    if (r >= t) return;  // whole warps only: no block barrier follows
     const float* lg = logits + (long long)r * E;
-    float* s = scores + threadIdx.x;
-    const int st = blockDim.x;
-    for (int e = 0; e < E; ++e) {
+    float* s = scores + warp * E;
+    for (int e = lane; e < E; e += 32) {
         float z = lg[e];
         float ez = expf(-fabsf(z));  // overflow-free sigmoid, as the reference computes it
-        s[e * st] = z >= 0.0f ? 1.0f / (1.0f + ez) : ez / (1.0f + ez);
+        s[e] = z >= 0.0f ? 1.0f / (1.0f + ez) : ez / (1.0f + ez);
     }
-    int gsize = E / n_group;
+    __syncwarp();
+    const int gsize = E / n_group;
+    float gv[2];  // this lane's groups: lane and lane + 32
+    for (int h = 0; h < 2; ++h) {
+        const int g = lane + 32 * h;
+        gv[h] = g < n_group ? group_score(s, bias, g, gsize) : 0.0f;
+    }
     unsigned long long keep = 0ull;
     float prev_v = 0.0f;
     int prev_i = -1;
     for (int b = 0; b < topk_group; ++b) {
         float best_v = 0.0f;
         int best_i = -1;
-        for (int g = 0; g < n_group; ++g) {
-            float v = group_score(s, st, bias, g, gsize);
-            bool after = prev_i < 0 || ranks_before(prev_v, prev_i, v, g);
-            if (after && ranks_before(v, g, best_v, best_i)) {
-                best_v = v;
+        for (int h = 0; h < 2; ++h) {
+            const int g = lane + 32 * h;
+            if (g >= n_group) continue;
+            bool after = prev_i < 0 || ranks_before(prev_v, prev_i, gv[h], g);
+            if (after && ranks_before(gv[h], g, best_v, best_i)) {
+                best_v = gv[h];
                 best_i = g;
             }
         }
+        warp_best(best_v, best_i);
         keep |= 1ull << best_i;
         prev_v = best_v;
         prev_i = best_i;
@@ -100,19 +120,21 @@ extern "C" __global__ void moe_route_select(const float* logits, const float* bi
     for (int b = 0; b < k; ++b) {
         float best_v = 0.0f;
         int best_i = -1;
-        for (int e = 0; e < E; ++e) {
+        for (int e = lane; e < E; e += 32) {
             if (!((keep >> (e / gsize)) & 1ull)) continue;
-            float v = s[e * st] + bias[e];
+            float v = s[e] + bias[e];
             bool after = prev_i < 0 || ranks_before(prev_v, prev_i, v, e);
             if (after && ranks_before(v, e, best_v, best_i)) {
                 best_v = v;
                 best_i = e;
             }
         }
+        warp_best(best_v, best_i);
         chosen[b] = best_i;
         prev_v = best_v;
         prev_i = best_i;
     }
+    if (lane != 0) return;
     for (int b = 1; b < k; ++b) {  // insertion sort: experts come out ascending
         int v = chosen[b], c = b - 1;
         while (c >= 0 && chosen[c] > v) {
@@ -122,9 +144,9 @@ extern "C" __global__ void moe_route_select(const float* logits, const float* bi
         chosen[c + 1] = v;
     }
     float sum = 0.0f;
-    for (int b = 0; b < k; ++b) sum += s[chosen[b] * st];
+    for (int b = 0; b < k; ++b) sum += s[chosen[b]];
     for (int b = 0; b < k; ++b) {
-        float wt = s[chosen[b] * st];
+        float wt = s[chosen[b]];
         if (renormalize) wt = wt / (sum + 1e-20f);
         experts[(long long)r * k + b] = chosen[b];
         weights[(long long)r * k + b] = wt * scaling;

@@ -16,7 +16,6 @@ stderr and ONE JSON line on stdout.
 from __future__ import annotations
 
 import sys
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,20 +26,9 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_verify.py`: `be
 from benchmarks.common import (  # noqa: E402
     WARMUP_STEPS, bandwidth_fraction, build_model, copy_bandwidth_gbs, counted_launches, emit,
     greedy_steps, int_list, model_args, model_config, prime_context, record_header, routed_experts,
-    state_bytes, timed_call, weight_bytes,
+    state_bytes, undo, verify_times, weight_bytes,
 )
 from memra.model.trunk import VERIFY_CAP  # noqa: E402
-
-
-def undo(cache, ckpt) -> None:
-    """Put the cache back where the checkpoint's verify walk found it (keep=0, which rollback
-    refuses: a round always keeps its anchor row), from the checkpoint's own snapshots."""
-    for i, st in cache.kda.items():
-        st.ring[...] = ckpt.kda[i]["ring"]
-        st.state[...] = ckpt.kda[i]["state"]
-    for i, plane in cache.mla.items():
-        plane.truncate(ckpt.latent_len[i], cache.config.index_kpool)
-    cache.pos = ckpt.pos
 
 
 def greedy_tape(model, cache, anchor: int, n: int) -> list[int]:
@@ -58,12 +46,7 @@ def walk(model, cache, tokens: list[int], reps: int, roof: float | None, cuda: b
     with routed_experts(model.be) as picked, counted_launches() as launches:
         _, _, ckpt = model.verify_rows(tokens, cache)
     undo(cache, ckpt)
-    verify, rollback = [], []
-    for _ in range(reps):
-        ms, (_, _, ckpt) = timed_call(partial(model.verify_rows, tokens, cache), cuda)
-        verify.append(ms)
-        rollback.append(timed_call(partial(model.rollback, cache, ckpt, 1), cuda)[0])
-        undo(cache, ckpt)
+    verify, rollback = verify_times(model, cache, tokens, reps, cuda)
     t, ms = len(tokens), float(np.median(verify))
     weights = weight_bytes(model, picked, rows=t)
     state = state_bytes(model, cache, rows=t, snapshot=True)

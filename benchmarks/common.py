@@ -139,14 +139,40 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def greedy_steps(model: Glm5Model, cache, token: int, steps: int, cuda: bool):
-    """`steps` plain decode steps, each fed the previous argmax -> (ms of each step, next token)."""
+def greedy_steps(model: Glm5Model, cache, token: int, steps: int, cuda: bool, tape: list | None = None):
+    """`steps` plain decode steps, each fed the previous argmax -> (ms of each step, next token).
+    With `tape`, every token fed is appended to it."""
     times = []
     for _ in range(steps):
+        if tape is not None:
+            tape.append(token)
         ms, logits = timed_call(functools.partial(model.decode_step, token, cache), cuda)
         times.append(ms)
         token = int(np.argmax(logits))
     return times, token
+
+
+def undo(cache, ckpt) -> None:
+    """Put the cache back where the checkpoint's verify walk found it (keep=0, which rollback
+    refuses: a round always keeps its anchor row), from the checkpoint's own snapshots."""
+    for i, st in cache.kda.items():
+        st.ring[...] = ckpt.kda[i]["ring"]
+        st.state[...] = ckpt.kda[i]["state"]
+    for i, plane in cache.mla.items():
+        plane.truncate(ckpt.latent_len[i], cache.config.index_kpool)
+    cache.pos = ckpt.pos
+
+
+def verify_times(model: Glm5Model, cache, tokens: list[int], reps: int, cuda: bool):
+    """`reps` verify walks of `tokens` at cache.pos, each followed by rollback(keep=1) and undone
+    -> (ms of each verify, ms of each rollback). The cache ends where it started."""
+    verify, rollback = [], []
+    for _ in range(reps):
+        ms, (_, _, ckpt) = timed_call(functools.partial(model.verify_rows, tokens, cache), cuda)
+        verify.append(ms)
+        rollback.append(timed_call(functools.partial(model.rollback, cache, ckpt, 1), cuda)[0])
+        undo(cache, ckpt)
+    return verify, rollback
 
 
 @contextlib.contextmanager

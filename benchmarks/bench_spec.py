@@ -1,0 +1,216 @@
+"""bench_spec: end-to-end speculative decoding at forced acceptance rates, against plain decoding
+and against the analytic bound.
+
+    python benchmarks/bench_spec.py --preset bench --backend cuda --git-sha SHA \
+        [--out F] [--steps 32] [--context 512] [--alphas 0.5,0.7,0.9,1.0] [--ks 1,3,5,7] [--reps 10]
+
+Greedy only. After a --context-token prompt: the plain greedy tape and plain tokens/s; for each K
+the verify time of K+1 rows (median of --reps walks, each undone) and the real per-round draft
+cost of native-mtp (when the preset has an MTP block) and of a dflash2 fixture drafter built for
+the preset (median propose() time over a real session of --steps tokens). Then for each (alpha, K)
+a session of --steps tokens drafted by `TapeSource` (the tape's next K tokens, each corrupted with
+probability 1 - alpha: acceptance is forced, draft cost ~0). Its output must equal the plain tape
+or the run fails. Reported: tokens/s, rounds, mean accepted per round, speedup vs plain; the bound
+E[tokens/round] / round time with E = (1 - alpha^(K+1)) / (1 - alpha) (K + 1 at alpha = 1) and
+round time = verify(K+1) + draft cost, and the fraction achieved; and, per real source, tokens/s
+with its draft cost added per round: tokens / (spec time + rounds * draft_ms). Prints a card on
+stderr and ONE JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as `python benchmarks/bench_spec.py`: `benchmarks` is at the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    WARMUP_STEPS, build_model, emit, greedy_steps, model_args, model_config, prime_context, random_tokens,
+    record_header, timed_call, verify_times,
+)
+from memra.config import preset  # noqa: E402
+from memra.drafters.base import Proposal  # noqa: E402
+from memra.drafters.dflash2 import DFlash2Source  # noqa: E402
+from memra.drafters.dflash2.fixture import write_fixture_drafter  # noqa: E402
+from memra.drafters.native_mtp import NativeMtpSource  # noqa: E402
+from memra.errors import MemraError  # noqa: E402
+from memra.spec.session import MAX_K, SpecSession  # noqa: E402
+
+# the built-in sources, taken directly: a broken third-party plugin must not void their timing
+DRAFT_SOURCES = {"native-mtp": NativeMtpSource, "dflash2": DFlash2Source}
+
+
+class TapeSource:
+    """A forced-acceptance draft source (benchmark only, never registered): it drafts the next k
+    tokens of the plain greedy tape, each replaced with probability 1 - alpha by another token, so
+    a round accepts up to the first replaced draft. It is its own drafter and its own state.
+
+        session = SpecSession(model, prompt, TapeSource(tape, 0.7, vocab, seed=0), max_ctx)
+        tokens, drafted, accepted = session.burst(32, k=3)     # tokens == tape[:len(tokens)]
+    """
+
+    max_k = MAX_K
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, tape: list[int], alpha: float, vocab: int, seed: int):
+        self.tape, self.alpha, self.vocab, self.seed = tape, alpha, vocab, seed
+
+    def begin(self, start):
+        if start.anchor != self.tape[0]:
+            raise MemraError(f"the session's first token {start.anchor} is not the tape's {self.tape[0]}: "
+                             "prime the session on the tape's own prompt")
+        self.pos, self.rng = 0, np.random.default_rng([self.seed, round(self.alpha * 1000)])
+        return self
+
+    def propose(self, k: int, sampling=None) -> Proposal:
+        drafts = self.tape[self.pos + 1:self.pos + 1 + k]
+        keep = self.rng.random(len(drafts)) < self.alpha
+        other = (np.asarray(drafts) + self.rng.integers(1, self.vocab, len(drafts))) % self.vocab
+        return Proposal(tokens=[int(t) for t in np.where(keep, drafts, other)])
+
+    def commit(self, outcome) -> None:
+        self.pos += len(outcome.kept)
+
+
+class TimedDrafter:
+    """A loaded draft source whose sessions record the milliseconds of every propose()."""
+
+    def __init__(self, inner, cuda: bool):
+        self.inner, self.cuda, self.ms = inner, cuda, []
+        self.max_k, self.tap_layers = inner.max_k, inner.tap_layers
+
+    def begin(self, start):
+        state = self.inner.begin(start)
+        propose = state.propose
+
+        def timed(k, sampling=None):
+            ms, proposal = timed_call(partial(propose, k, sampling), self.cuda)
+            self.ms.append(ms)
+            return proposal
+
+        state.propose = timed
+        return state
+
+
+def spec_run(model, prompt, drafter, tape: list[int], steps: int, k: int, cuda: bool):
+    """One greedy session making at least `steps` tokens after the prime's -> (ms of the burst,
+    SpecMetrics); raises unless its output is the plain tape."""
+    session = SpecSession(model, prompt, drafter, max_ctx=len(prompt) + steps + k + 8)
+    ms, (out, _, _) = timed_call(partial(session.burst, steps + 1, k), cuda)  # + the prime's token
+    if out != tape[:len(out)]:
+        at = next(i for i, (a, b) in enumerate(zip(out, tape)) if a != b)
+        raise MemraError(f"greedy speculative output left the plain tape at token {at} (k={k}, drafter "
+                         f"{type(drafter).__name__}): spec decoding is broken; this benchmark is void")
+    return ms, session.metrics
+
+
+def draft_costs(model, prompt, tape: list[int], args, cuda: bool) -> tuple[dict, dict]:
+    """Per source: {"K": median ms of one propose(K)} (or None where it cannot draft K), or None;
+    and the reason for each None source."""
+    costs, reasons = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, source in DRAFT_SOURCES.items():
+            try:
+                options = None
+                if name == "dflash2":
+                    options = {"path": write_fixture_drafter(tmp, preset(args.preset), seed=args.seed)}
+                drafter = source().load(model, options)
+            except MemraError as e:
+                costs[name], reasons[name] = None, str(e)
+                continue
+            costs[name] = {}
+            for k in args.ks:
+                timed = TimedDrafter(drafter, cuda)
+                if k <= timed.max_k:
+                    spec_run(model, prompt, timed, tape, args.steps, k, cuda)
+                costs[name][str(k)] = float(np.median(timed.ms)) if timed.ms else None
+    return costs, reasons
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens per round] when each draft survives independently with probability alpha."""
+    return float(k + 1) if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def point(model, prompt, tape, alpha, k, verify_ms, costs, plain_tps, args, cuda) -> dict:
+    source = TapeSource(tape, alpha, model.cfg.vocab_size, args.seed + k)
+    ms, m = spec_run(model, prompt, source, tape, args.steps, k, cuda)
+    tokens = m.rounds + m.num_accepted_tokens  # the first token comes from the prime, as in plain
+    tps, e = tokens / ms * 1e3, expected_tokens(alpha, k)
+    with_cost = {}
+    for name, per_k in costs.items():
+        draft_ms = None if per_k is None else per_k[str(k)]
+        with_cost[name] = None if draft_ms is None else {
+            "draft_ms": draft_ms, "tokens_per_s": tokens / (ms + m.rounds * draft_ms) * 1e3,
+            "bound_tokens_per_s": e / (verify_ms + draft_ms) * 1e3}
+        if draft_ms is not None:
+            c = with_cost[name]
+            c["speedup_vs_plain"] = c["tokens_per_s"] / plain_tps
+            c["fraction_of_bound"] = c["tokens_per_s"] / c["bound_tokens_per_s"]
+    bound = e / verify_ms * 1e3
+    return {
+        "alpha": alpha, "k": k, "tokens": tokens, "ms": ms, "tokens_per_s": tps, "rounds": m.rounds,
+        "mean_accepted_per_round": m.num_accepted_tokens / m.rounds, "expected_tokens_per_round": e,
+        "speedup_vs_plain": tps / plain_tps, "verify_ms": verify_ms, "bound_tokens_per_s": bound,
+        "fraction_of_bound": tps / bound,
+        "ms_per_round_by_phase": {p: s * 1e3 / m.rounds for p, s in m.seconds.items()},
+        "with_draft_cost": with_cost,
+    }
+
+
+def card(record: dict) -> list[str]:
+    p = record["plain"]
+    lines = [f"bench_spec {record['config']['preset']} on {record['device']}  plain "
+             f"{p['tokens_per_s']:.1f} tokens/s ({p['ms_per_step']:.3f} ms/step)"]
+    for name, reason in record["draft_unavailable"].items():
+        lines.append(f"  {name}: not measured ({reason})")
+    for r in record["spec"]:
+        costs = "".join(f"  {n} {c['tokens_per_s']:8.1f} tok/s x{c['speedup_vs_plain']:4.2f}"
+                        for n, c in r["with_draft_cost"].items() if c is not None)
+        lines.append(f"  alpha={r['alpha']:.2f} K={r['k']}  {r['tokens_per_s']:8.1f} tok/s x{r['speedup_vs_plain']:4.2f} "
+                     f"plain  accepted/round {r['mean_accepted_per_round']:4.2f}  bound {r['bound_tokens_per_s']:8.1f} "
+                     f"({100 * r['fraction_of_bound']:5.1f}%){costs}")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = model_args(__doc__)
+    ap.add_argument("--alphas", type=lambda s: [float(a) for a in s.split(",")], default=[0.5, 0.7, 0.9, 1.0],
+                    help="forced acceptance rates, e.g. 0.5,1.0")
+    ap.add_argument("--ks", type=lambda s: [int(k) for k in s.split(",")], default=[1, 3, 5, 7],
+                    help=f"drafts per round, each in 1..{MAX_K}")
+    ap.add_argument("--reps", type=int, default=10, help="timed verify walks per K")
+    args = ap.parse_args(argv)
+    model = build_model(args.preset, args.backend, args.seed)
+    cuda = args.backend == "cuda"
+    # the tape covers a burst's overshoot (up to K tokens past --steps) so drafts never run out
+    room = WARMUP_STEPS + args.steps + max(args.ks)
+    cache, anchor = prime_context(model, args.context, room, args.seed)
+    tape: list[int] = []
+    times, last = greedy_steps(model, cache, anchor, room, cuda, tape)
+    tape.append(last)
+    plain_ms = float(np.median(times[WARMUP_STEPS:]))
+    plain = {"ms_per_step": plain_ms, "tokens_per_s": 1e3 / plain_ms}
+    cache, _ = prime_context(model, args.context, max(args.ks) + 1, args.seed)
+    verify = {k: float(np.median(verify_times(model, cache, tape[:k + 1], args.reps, cuda)[0])) for k in args.ks}
+    prompt = random_tokens(model.cfg, args.context, args.seed)
+    costs, reasons = draft_costs(model, prompt, tape, args, cuda)
+    spec = [point(model, prompt, tape, a, k, verify[k], costs, plain["tokens_per_s"], args, cuda)
+            for k in args.ks for a in args.alphas]
+    config = model_config(args, model, alphas=args.alphas, ks=args.ks, reps=args.reps,
+                          dflash2_drafter="write_fixture_drafter defaults (2 layers, block 8) for the preset")
+    record = record_header("bench_spec", args.git_sha, config, args.backend) | {
+        "plain": plain, "verify_ms": {str(k): v for k, v in verify.items()}, "draft_ms": costs,
+        "draft_unavailable": reasons, "spec": spec,
+    }
+    emit(record, card(record), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

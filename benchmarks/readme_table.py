@@ -1,0 +1,80 @@
+"""The README's Performance tables, generated from committed benchmark records.
+
+    python benchmarks/readme_table.py benchmarks/results/bench_ops-*.json benchmarks/results/bench_decode-*.json ...
+
+Reads any mix of bench_ops / bench_decode / bench_verify / bench_spec records (one JSON line each)
+and prints markdown: one table per kind, each naming its file, device, date and git sha.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _head(path: str, r: dict) -> str:
+    return f"`{Path(path).name}` ({r['device']}, {r['date']}, git {r['git_sha'][:7]}):"
+
+
+def ops(path: str, r: dict) -> list[str]:
+    rows = r["config"]["rows"]
+    out = [_head(path, r), "", "| exact projection (in x out), time / cuBLAS bf16 | "
+           + " | ".join(f"t = {t}" for t in rows) + " |", "|---" * (len(rows) + 1) + "|"]
+    for name, (d_in, d_out) in r["config"]["shapes"].items():
+        cells = [f"{r['linear'][f'{name}_t{t}']['ratio']:.2f}x" for t in rows]
+        out.append(f"| {d_in} x {d_out} | " + " | ".join(cells) + " |")
+    out += ["", "| op | memra | peer | memra / peer |", "|---|---|---|---|"]
+    for name in ("kda_recurrence_t1", "kda_recurrence_t8", "mla_attend_t1", "mla_attend_t8"):
+        v = r[name]
+        peer = v.get("fla") or v.get("torch")
+        kind = "fla fused_recurrent_kda" if "fla" in v else "torch reference"
+        out.append(f"| {name} | {v['memra_ms'] * 1e3:.0f} us | "
+                   + (f"{peer['ms'] * 1e3:.0f} us ({kind}) | {v['ratio']:.2f}x |" if peer else f"n/a ({kind} missing) | |"))
+    return out
+
+
+def decode(path: str, r: dict) -> list[str]:
+    d = r["decode"]
+    frac = d["bandwidth_fraction"]
+    out = [_head(path, r), "", "| preset | decode ms/step | tokens/s | weights/step | of copy bw | host share | "
+           + " | ".join(f"prefill {p['tokens']} tok/s" for p in r["prefill"].values()) + " |",
+           "|---" * (6 + len(r["prefill"])) + "|"]
+    out.append(f"| {r['config']['preset']} | {d['ms_per_step']:.2f} | {d['tokens_per_s']:.1f} | "
+               f"{d['weight_bytes_per_step'] / 1e9:.2f} GB | {100 * frac:.0f}% | {100 * d['host_share']:.0f}% | "
+               + " | ".join(f"{p['tokens_per_s']:.0f}" for p in r["prefill"].values()) + " |")
+    return out
+
+
+def verify(path: str, r: dict) -> list[str]:
+    walks = list(r["verify"].values())
+    out = [_head(path, r), "", f"| {r['config']['preset']}: rows t | " + " | ".join(str(w["rows"]) for w in walks) + " |",
+           "|---" * (len(walks) + 1) + "|",
+           "| verify / decode step | " + " | ".join(f"{w['ratio_to_decode']:.2f}" for w in walks) + " |"]
+    return out
+
+
+def spec(path: str, r: dict) -> list[str]:
+    plain = r["plain"]["tokens_per_s"]
+    out = [_head(path, r), "", f"| alpha | K | tokens/s (plain {plain:.1f}) | x plain | of analytic bound |"
+           " with native-mtp cost, x plain |", "|---|---|---|---|---|---|"]
+    for v in r["spec"]:
+        mtp = (v.get("with_draft_cost") or {}).get("native-mtp")
+        out.append(f"| {v['alpha']} | {v['k']} | {v['tokens_per_s']:.1f} | {v['speedup_vs_plain']:.2f} | "
+                   f"{100 * v['fraction_of_bound']:.0f}% | "
+                   + (f"{mtp['tokens_per_s'] / plain:.2f} |" if mtp else "n/a |"))
+    return out
+
+
+TABLES = {"bench_ops": ops, "bench_decode": decode, "bench_verify": verify, "bench_spec": spec}
+
+
+def main(argv=None) -> int:
+    for path in (argv if argv is not None else sys.argv[1:]):
+        record = json.loads(Path(path).read_text())
+        print("\n".join(TABLES[record["bench"]](path, record)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

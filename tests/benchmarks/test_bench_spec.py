@@ -1,0 +1,73 @@
+"""bench_spec on CPU (small preset, numpy): ONE JSON line with every measurement, forced full
+acceptance accepts every draft, and a session that leaves the plain tape voids the run.
+
+No __init__.py in this folder: one would make `benchmarks` name this folder, not the scripts'.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import bench_spec
+from benchmarks.common import build_model, greedy_steps, prime_context, random_tokens
+from memra.errors import MemraError
+
+ARGS = ["--preset", "small", "--backend", "numpy", "--git-sha", "test", "--steps", "12",
+        "--alphas", "0.5,1.0", "--ks", "1,3", "--context", "16", "--reps", "3"]
+POINT_KEYS = {"alpha", "k", "tokens", "ms", "tokens_per_s", "rounds", "mean_accepted_per_round",
+              "expected_tokens_per_round", "speedup_vs_plain", "verify_ms", "bound_tokens_per_s",
+              "fraction_of_bound", "ms_per_round_by_phase", "with_draft_cost"}
+
+
+def test_bench_spec_prints_one_json_line_and_full_acceptance_accepts_every_draft(capsys):
+    assert bench_spec.main(ARGS) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["bench"] == "bench_spec" and record["plain"]["tokens_per_s"] > 0
+    assert set(record["verify_ms"]) == {"1", "3"} and all(v > 0 for v in record["verify_ms"].values())
+    assert record["draft_unavailable"] == {}  # small has an MTP block; its dflash2 fixture is cheap
+    for name in ("native-mtp", "dflash2"):
+        assert all(record["draft_ms"][name][k] > 0 for k in ("1", "3"))
+    spec = record["spec"]
+    assert [(p["alpha"], p["k"]) for p in spec] == [(0.5, 1), (1.0, 1), (0.5, 3), (1.0, 3)]
+    for p in spec:
+        assert set(p) == POINT_KEYS and p["tokens"] >= 12 and p["bound_tokens_per_s"] > 0
+        assert set(p["with_draft_cost"]) == {"native-mtp", "dflash2"}
+        if p["alpha"] == 1.0:
+            assert p["mean_accepted_per_round"] == p["k"]  # the tape covers the overshoot: never truncated
+            assert p["expected_tokens_per_round"] == p["k"] + 1
+        else:
+            assert p["mean_accepted_per_round"] < p["k"]
+
+
+def test_expected_tokens_per_round_is_the_geometric_sum():
+    assert bench_spec.expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert bench_spec.expected_tokens(1.0, 7) == 8
+
+
+def plain_tape(model, n: int) -> list[int]:
+    cache, anchor = prime_context(model, 16, n, seed=0)
+    tape: list[int] = []
+    _, last = greedy_steps(model, cache, anchor, n, cuda=False, tape=tape)
+    return tape + [last]
+
+
+def test_a_session_on_the_plain_tape_passes_the_identity_check():
+    model = build_model("small", "numpy")
+    tape, prompt = plain_tape(model, 12), random_tokens(model.cfg, 16, 0)
+    source = bench_spec.TapeSource(tape, 0.7, model.cfg.vocab_size, seed=0)
+    _, metrics = bench_spec.spec_run(model, prompt, source, tape, 8, 3, cuda=False)
+    assert metrics.rounds > 0
+
+
+def test_output_off_the_tape_voids_the_run():
+    """Red arm of the identity check: the spec output is right, the tape it is held to is not."""
+    model = build_model("small", "numpy")
+    tape, prompt = plain_tape(model, 12), random_tokens(model.cfg, 16, 0)
+    wrong = tape[:4] + [(tape[4] + 1) % model.cfg.vocab_size] + tape[5:]
+    source = bench_spec.TapeSource(wrong, 1.0, model.cfg.vocab_size, seed=0)
+    with pytest.raises(MemraError, match="left the plain tape at token 4"):
+        bench_spec.spec_run(model, prompt, source, wrong, 8, 3, cuda=False)

@@ -27,6 +27,8 @@ def ops(path: str, r: dict) -> list[str]:
     out += ["", "| op | memra | peer | memra / peer |", "|---|---|---|---|"]
     for name in ("kda_recurrence_t1", "kda_recurrence_t8", "mla_attend_t1", "mla_attend_t8"):
         v = r[name]
+        if "memra_ms" not in v:  # records before the peer comparison
+            continue
         peer = v.get("fla") or v.get("torch")
         kind = "fla fused_recurrent_kda" if "fla" in v else "torch reference"
         out.append(f"| {name} | {v['memra_ms'] * 1e3:.0f} us | "

@@ -339,3 +339,30 @@ def test_red_arm_one_ulp_change_in_one_gpu_row_is_detected():
     assert all(np.array_equal(full[r], alone[r][0]) for r in range(T_MAX))
     alone[9][0, 31] = np.nextafter(alone[9][0, 31], F32(np.inf))
     assert [r for r in range(T_MAX) if not np.array_equal(full[r], alone[r][0])] == [9]
+
+
+def _two_piece_linear(x, w16):
+    """The mutation: the tensor-core projection with the lo bf16 piece of each activation dropped
+    (two pieces keep 16 of float32's 24 significand bits)."""
+    from memra.backend.cuda_runtime import OPTIONS, kernel_dir
+
+    header = kernel_dir().joinpath("exact_mma.cuh").read_text()
+    exact = "bits[2][e] = __float_as_uint(rest - __uint_as_float(mid));"
+    assert exact in header, "exact_mma.cuh changed: update the mutation"
+    src = kernel_dir().joinpath("dense.cu").read_text().replace(
+        '#include "exact_mma.cuh"', header.replace(exact, "bits[2][e] = 0u;"))
+    kern = cp.RawModule(code=src, options=(*OPTIONS, "-I" + str(kernel_dir()))).get_function("linear_bf16_n1")
+    t, n_in = x.shape
+    n_out = w16.shape[0]
+    y = cp.empty((t, n_out), cp.float32)
+    kern(((n_out + 31) // 32,), (256,), (x, w16, y, np.int32(t), np.int32(n_in), np.int32(n_out)))
+    return y
+
+
+def test_red_arm_a_two_piece_split_fails_the_identity_gate():
+    rng = np.random.default_rng(5)
+    x = normal(rng, (8, 256)) * np.float32(1e3)
+    eye = cp.asarray(f32_to_bf16(np.eye(256, dtype=np.float32)))
+    mutated = cp.asnumpy(_two_piece_linear(cp.asarray(x), eye))
+    assert not np.array_equal(mutated, x), "dropping the lo piece still returned x bit for bit"
+    assert np.array_equal(cp.asnumpy(DenseOps().linear(cp.asarray(x), eye)), x)  # green arm, same inputs

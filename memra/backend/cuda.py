@@ -2,7 +2,8 @@
 
 Op families live in mixins beside this file (one per kernels_cu/*.cu family); this class
 composes them and owns device memory. Projection matrices keep their stored precision (bf16
-stays bf16 and widens in-kernel); everything else is float32 on the device.
+stays bf16 and runs on tensor cores against exact bf16 pieces of the activations); everything
+else is float32 on the device.
 """
 
 from __future__ import annotations

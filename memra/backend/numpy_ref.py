@@ -59,7 +59,8 @@ class NumpyBackend:
 
     def matrix(self, a: np.ndarray) -> np.ndarray:
         """A projection matrix for linear / head_linear / moe_experts. The reference computes
-        in float32 whatever the storage; the CUDA backend keeps bf16 storage and widens in-kernel."""
+        in float32 whatever the storage; the CUDA backend keeps bf16 storage and multiplies it on
+        tensor cores with exact bf16 pieces of the float32 activations (kernels_cu/exact_mma.cuh)."""
         return self.weight(a)
 
     def zeros(self, shape, dtype=F32) -> np.ndarray:

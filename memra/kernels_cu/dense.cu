@@ -12,6 +12,8 @@
 #include "common.cuh"
 #include "exact_mma.cuh"
 
+static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
+
 #define WARP 32
 #define WARPS_PER_BLOCK (MEMRA_BLOCK / WARP)  // one output row per warp
 #define CHUNK 8                               // in-features per lane per step

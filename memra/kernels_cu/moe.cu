@@ -9,6 +9,8 @@
 #include "common.cuh"
 #include "exact_mma.cuh"
 
+static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
+
 #define WARPS (MEMRA_BLOCK / 32)  // output units per block
 
 // Lane 0 returns the dot of w[0..n) and x[0..n): lane l sums c = l, l+32, ... then a fixed tree.

@@ -32,7 +32,10 @@ def module(family: str) -> "cp.RawModule":
     return mod
 
 
+@functools.cache
 def kernel(family: str, name: str):
+    """The launchable kernel, made once: RawModule.get_function builds a new RawKernel on every
+    call, a host cost a decode step would otherwise pay once per launch (hundreds of times)."""
     return module(family).get_function(name)
 
 

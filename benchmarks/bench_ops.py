@@ -22,7 +22,9 @@ import cupy as cp
 if __package__ in (None, ""):  # run as `python benchmarks/bench_ops.py`: `benchmarks` is at the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import copy_bandwidth_gbs, emit, record_header, time_ms  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    bandwidth_fraction, copy_bandwidth_gbs, emit, gbs, record_header, time_ms,
+)
 from memra.backend.cuda import CudaBackend  # noqa: E402
 from memra.safetensors_io import f32_to_bf16  # noqa: E402
 
@@ -51,10 +53,6 @@ def bench_linear(be, rng) -> dict:
 PEER_TOLERANCE = 1e-4  # max relative diff for memra and a peer to count as doing the same math
 
 
-def _gbs(nbytes: int, ms: float) -> float:
-    return nbytes / (ms * 1e-3) / 1e9
-
-
 def _fla_or_reason():
     """(fla module, None), or (None, why not): bench_ops still runs on a host without the wheel."""
     try:
@@ -79,7 +77,7 @@ def bench_kda(be, rng, heads: int = 64, dk: int = 128) -> dict:
         nbytes = 2 * state.nbytes + sum(a.nbytes for a in (q, k, v, g, beta)) + v.nbytes  # + o
         peer = _kda_fla(fla, be, nbytes, q, k, v, g, beta, state) if fla else None
         ms = time_ms(lambda: be.kda_recurrence(q, k, v, g, beta, state))  # advances state in place
-        entry = {"memra_ms": ms, "memra_gbs": _gbs(nbytes, ms), "bytes": int(nbytes),
+        entry = {"memra_ms": ms, "memra_gbs": gbs(nbytes, ms), "bytes": int(nbytes),
                  "state_bytes": int(state.nbytes), "fla": peer}
         if peer:
             entry["ratio"] = ms / peer["ms"]
@@ -102,7 +100,7 @@ def _kda_fla(fla, be, nbytes: int, q, k, v, g, beta, state) -> dict:
     diff_o, diff_s = max_rel_diff(tv(ours), ref), max_rel_diff(tv(ours_state), ref_state)
     args = fla_inputs(tv(q), tv(k), tv(v), tv(g), tv(beta), tv(state))
     ms = time_ms(lambda: fla.ops.kda.fused_recurrent_kda(**args))  # reads state, never writes it
-    return {"version": fla.__version__, "ms": ms, "gbs": _gbs(nbytes, ms),
+    return {"version": fla.__version__, "ms": ms, "gbs": gbs(nbytes, ms),
             "dtype": f"inputs float32, o {ref.dtype}, state {ref_state.dtype}",
             "max_rel_diff_o": diff_o, "max_rel_diff_state": diff_s,
             "agree": max(diff_o, diff_s) < PEER_TOLERANCE}
@@ -129,21 +127,26 @@ def bench_mla(be, rng, heads: int = 64, rank: int = 512, ctx: int = 4096, width:
         torch_ms = time_ms(lambda: mla_attend_torch(tq, tlat, tpos, scale))
         nbytes = t * width * rank * 4
         out[f"mla_attend_t{t}"] = {
-            "memra_ms": ms, "memra_gbs": _gbs(nbytes, ms), "latent_bytes_read": int(nbytes),
-            "torch": {"ms": torch_ms, "gbs": _gbs(nbytes, torch_ms), "max_rel_diff": diff,
+            "memra_ms": ms, "memra_gbs": gbs(nbytes, ms), "latent_bytes_read": int(nbytes),
+            "torch": {"ms": torch_ms, "gbs": gbs(nbytes, torch_ms), "max_rel_diff": diff,
                       "agree": diff < PEER_TOLERANCE},
             "ratio": ms / torch_ms}
     return out
 
 
-def peer_card(name: str, v: dict, peer: str, roof: float) -> str:
-    """One card line for a KDA/MLA entry; adds each side's fraction of copy bandwidth to v."""
+def add_peer_fractions(v: dict, peer: str, roof: float) -> None:
+    """Each side's fraction of the copy bandwidth, beside its GB/s in a KDA/MLA entry."""
     v["memra_bandwidth_fraction"] = v["memra_gbs"] / roof
+    if v[peer] is not None:
+        v[peer]["bandwidth_fraction"] = v[peer]["gbs"] / roof
+
+
+def peer_card(name: str, v: dict, peer: str) -> str:
+    """One card line for a KDA/MLA entry."""
     line = f"  {name:<20} memra {v['memra_ms']:8.3f} ms {100 * v['memra_bandwidth_fraction']:5.1f}% of copy bw"
     if v[peer] is None:
         return f"{line}  {peer}: unavailable ({v[f'{peer}_missing']})"
     p = v[peer]
-    p["bandwidth_fraction"] = p["gbs"] / roof
     diffs = ", ".join(f"{p[k]:.1e}" for k in p if k.startswith("max_rel_diff"))
     return (f"{line}  {peer} {p['ms']:8.3f} ms {100 * p['bandwidth_fraction']:5.1f}%  ratio "
             f"{v['ratio']:6.2f}  {'agree' if p['agree'] else 'DISAGREE'} (max rel diff {diffs})")
@@ -162,13 +165,17 @@ def main(argv=None) -> int:
         "linear": bench_linear(be, rng), **bench_kda(be, rng), **bench_mla(be, rng),
     }
     for v in record["linear"].values():
-        v["bandwidth_fraction"] = v["weight_bytes"] / (v["memra_ms"] * 1e-3) / 1e9 / roof
+        v["bandwidth_fraction"] = bandwidth_fraction(v["weight_bytes"], v["memra_ms"], roof)
+    peers = {name: "fla" if name.startswith("kda") else "torch"
+             for name in ("kda_recurrence_t1", "kda_recurrence_t8", "mla_attend_t1", "mla_attend_t8")}
+    for name, peer in peers.items():
+        add_peer_fractions(record[name], peer, roof)
     card = [f"bench_ops on {record['device']}  copy bandwidth {roof:.0f} GB/s"]
     for name, v in record["linear"].items():
         card.append(f"  linear {name:<28} memra {v['memra_ms']:8.3f} ms  cuBLAS {v['cublas_bf16_ms']:8.3f} ms  "
                     f"ratio {v['ratio']:6.2f}  {100 * v['bandwidth_fraction']:5.1f}% of copy bw")
-    for name in ("kda_recurrence_t1", "kda_recurrence_t8", "mla_attend_t1", "mla_attend_t8"):
-        card.append(peer_card(name, record[name], "fla" if name.startswith("kda") else "torch", roof))
+    for name, peer in peers.items():
+        card.append(peer_card(name, record[name], peer))
     emit(record, card, args.out)
     return 0
 

@@ -292,8 +292,13 @@ def state_bytes(model: Glm5Model, cache, rows: int, snapshot: bool = False) -> d
     return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
 
 
+def gbs(nbytes: int, ms: float) -> float:
+    """Achieved GB/s for nbytes moved in ms milliseconds."""
+    return nbytes / (ms * 1e-3) / 1e9
+
+
 def bandwidth_fraction(nbytes: int, ms: float, roof_gbs: float | None) -> float | None:
-    return None if roof_gbs is None else nbytes / (ms * 1e-3) / 1e9 / roof_gbs
+    return None if roof_gbs is None else gbs(nbytes, ms) / roof_gbs
 
 
 # ---- the command line and the record ----------------------------------------------------------

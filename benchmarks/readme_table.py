@@ -38,11 +38,12 @@ def ops(path: str, r: dict) -> list[str]:
 
 def decode(path: str, r: dict) -> list[str]:
     d = r["decode"]
-    frac = d["bandwidth_fraction"]
-    out = [_head(path, r), "", "| preset | decode ms/step | tokens/s | weights/step | of copy bw | host share | "
+    frac, eager = d["bandwidth_fraction"], d.get("eager") or d
+    out = [_head(path, r), "", f"| preset | decode ms/step ({d.get('mode', 'eager')}) | eager ms/step | tokens/s | "
+           "weights/step | of copy bw | host share | "
            + " | ".join(f"prefill {p['tokens']} tok/s" for p in r["prefill"].values()) + " |",
-           "|---" * (6 + len(r["prefill"])) + "|"]
-    out.append(f"| {r['config']['preset']} | {d['ms_per_step']:.2f} | {d['tokens_per_s']:.1f} | "
+           "|---" * (7 + len(r["prefill"])) + "|"]
+    out.append(f"| {r['config']['preset']} | {d['ms_per_step']:.2f} | {eager['ms_per_step']:.2f} | {d['tokens_per_s']:.1f} | "
                f"{d['weight_bytes_per_step'] / 1e9:.2f} GB | {100 * frac:.0f}% | {100 * d['host_share']:.0f}% | "
                + " | ".join(f"{p['tokens_per_s']:.0f}" for p in r["prefill"].values()) + " |")
     return out

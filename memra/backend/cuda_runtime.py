@@ -51,6 +51,18 @@ def f32(v) -> np.float32:
     return np.float32(v)
 
 
+def position(at):
+    """A walk's first position as the int32[1] device buffer the position-reading kernels take.
+    A host int is uploaded; a captured walk passes its own static buffer, refreshed before every
+    replay, so the graph follows the cache as it grows."""
+    if isinstance(at, cp.ndarray):
+        check(at, cp.int32, "position")
+        assert at.shape == (1,), f"position: expected one int32, got shape {at.shape}"
+        return at
+    assert int(at) >= 0, f"position {at} must be >= 0"
+    return cp.asarray(np.array([at], np.int32))
+
+
 def check(a, dtype=cp.float32, name: str = "array"):
     """Kernel arguments must be C-contiguous device arrays of the kernel's dtype."""
     assert isinstance(a, cp.ndarray), f"{name}: expected a cupy array, got {type(a).__name__}"

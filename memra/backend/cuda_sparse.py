@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import cupy as cp
 
-from memra.backend.cuda_runtime import BLOCK, check, f32, i32, launch
+from memra.backend.cuda_runtime import BLOCK, check, f32, i32, launch, position
 
 WARPS = BLOCK // 32  # moe.cu: output units (one warp each) per block
 ROUTE_ROWS = 4  # moe_route_select: one warp per row
@@ -54,9 +54,23 @@ class SparseOps:
                    (keys, gates, ape, out, i32(npool), i32(pool), i32(di)))
         return out
 
-    def kpool_select(self, q, w, pool_keys, pos0: int, pool: int, budget: int, width: int,
+    def kpool_finalize(self, keys, gates, ape, pool_keys, at, t: int):
+        """Write the pool keys of the pools that plane rows at..at+t-1 complete (see NumpyBackend);
+        keys, gates [rows, Di] are the plane's own key and gate rows, pool_keys [rows // P + 1, Di]."""
+        for name, a in (("keys", keys), ("gates", gates), ("ape", ape), ("pool_keys", pool_keys)):
+            check(a, cp.float32, name)
+        pool, di = ape.shape
+        assert keys.shape == gates.shape and keys.shape[1] == di, f"keys {keys.shape}, gates {gates.shape}"
+        assert pool_keys.shape == (keys.shape[0] // pool + 1, di), f"pool_keys {pool_keys.shape}"
+        if t:
+            launch("mla", "kpool_finalize", (_blocks((t // pool + 1) * di),), (BLOCK,),
+                   (keys, gates, ape, pool_keys, position(at), i32(t), i32(pool), i32(di)))
+
+    def kpool_select(self, q, w, pool_keys, pos0, pool: int, budget: int, width: int,
                      scale: float):
-        """Attended positions [t, width] int32, ascending, -1 padded (see NumpyBackend)."""
+        """Attended positions [t, width] int32, ascending, -1 padded (see NumpyBackend). `pos0`
+        is a host int or the walk's device position; every launch is sized by the pool keys the
+        plane can hold, not by the position, so a captured walk stays valid as the cache grows."""
         check(q, cp.float32, "q")
         check(w, cp.float32, "w")
         check(pool_keys, cp.float32, "pool_keys")
@@ -66,18 +80,19 @@ class SparseOps:
         assert pool >= 1 and budget >= 1, f"pool {pool} and budget {budget} must be >= 1"
         assert width >= (budget + 1) * pool - 1, (
             f"width {width} < budget*pool + pool - 1 = {(budget + 1) * pool - 1}")
-        nmax = (pos0 + t) // pool  # pools the last row sees
-        assert pool_keys.shape[0] >= nmax, f"pool_keys has {pool_keys.shape[0]} rows < {nmax}"
+        nmax = pool_keys.shape[0]
+        if not isinstance(pos0, cp.ndarray):
+            assert nmax >= (pos0 + t) // pool, f"pool_keys has {nmax} rows < {(pos0 + t) // pool}"
         out = cp.empty((t, width), cp.int32)
         if t == 0:
             return out
+        at = position(pos0)
         scores = cp.empty((t, max(nmax, 1)), cp.float32)
-        if nmax > budget:  # some row is sparse
-            launch("mla", "kpool_scores", (_blocks(nmax), t), (BLOCK,),
-                   (q, w, pool_keys, scores, i32(pos0), i32(pool), i32(hi), i32(di),
-                    i32(max(nmax, 1)), f32(scale)))
+        launch("mla", "kpool_scores", (_blocks(max(nmax, 1)), t), (BLOCK,),
+               (q, w, pool_keys, scores, at, i32(pool), i32(budget), i32(hi), i32(di),
+                i32(max(nmax, 1)), f32(scale)))
         launch("mla", "kpool_select", (t,), (BLOCK,),
-               (scores, out, i32(pos0), i32(pool), i32(budget), i32(width), i32(max(nmax, 1))),
+               (scores, out, at, i32(pool), i32(budget), i32(width), i32(max(nmax, 1))),
                shared_mem=4 * budget)
         return out
 

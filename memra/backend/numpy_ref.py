@@ -73,8 +73,25 @@ class NumpyBackend:
         """A C-contiguous copy of a strided view (kernels take contiguous rows)."""
         return np.ascontiguousarray(a)
 
+    def copy(self, a) -> np.ndarray:
+        """An owned copy (a walk's outputs may be buffers the next walk overwrites)."""
+        return np.array(a, copy=True)
+
     def concat(self, arrays, axis: int = -1) -> np.ndarray:
         return np.concatenate(arrays, axis=axis)
+
+    # ---- walks ---------------------------------------------------------------------------------
+    def position(self, pos0: int) -> int:
+        """A walk's first position in the form the position-taking ops read (here: the int)."""
+        return int(pos0)
+
+    def walks(self) -> "EagerWalks":
+        """The per-cache walk runner (the CUDA backend's captures CUDA graphs)."""
+        return EagerWalks(self)
+
+    def write_rows(self, dst: np.ndarray, src: np.ndarray, at: int) -> None:
+        """dst[at:at + t] = src: a state plane's next t rows, in place."""
+        dst[at:at + src.shape[0]] = src
 
     # ---- projections -----------------------------------------------------------------------
     def embed(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -257,6 +274,16 @@ class NumpyBackend:
             out[j] = acc
         return out
 
+    def kpool_finalize(self, keys, gates, ape, pool_keys, at: int, t: int) -> None:
+        """Finalize the pools that plane rows at..at+t-1 complete: pool keys at//P ..
+        (at+t)//P - 1 from the plane's key and gate rows [rows, Di], written into pool_keys."""
+        pool, di = ape.shape
+        first, last = at // pool, (at + t) // pool
+        if last > first:
+            rows = slice(first * pool, last * pool)
+            shape = (last - first, pool, di)
+            pool_keys[first:last] = self.kpool_compress(keys[rows].reshape(shape), gates[rows].reshape(shape), ape)
+
     def kpool_select(self, q, w, pool_keys, pos0: int, pool: int, budget: int, width: int,
                      scale: float) -> np.ndarray:
         """Attended positions per row (ascending, -1 padded to `width`): [t, width].
@@ -334,3 +361,13 @@ class NumpyBackend:
         (ties to the lower index; a zero-probability token never wins)."""
         p = np.asarray(probs, dtype=np.float64)
         return int(np.argmax(p / -np.log(uniforms(seed, counter, tag, p.size))))
+
+
+class EagerWalks:
+    """Runs every walk as it comes: `run(key, walk, tokens, pos0)` = walk(tokens, position)."""
+
+    def __init__(self, be):
+        self.be = be
+
+    def run(self, key, walk, tokens: np.ndarray, pos0: int):
+        return walk(tokens, self.be.position(pos0))

@@ -190,6 +190,16 @@ extern "C" __global__ void embed_bf16(const unsigned short* table, const int* id
     gather(table, ids, y, vocab, dim);
 }
 
+// dst rows at.. = the n floats of src (rows of `width`), `at` read from the device so a captured
+// graph keeps writing the plane's next rows as it grows (grid-stride, a plain copy).
+extern "C" __global__ void write_rows(const float* src, float* dst, long long n, const int* at,
+                                      int width) {
+    float* base = dst + (long long)at[0] * width;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        base[i] = src[i];
+}
+
 // Elementwise activations over n floats (grid-stride; no reduction, so trivially row-exact).
 extern "C" __global__ void silu_kernel(const float* x, float* y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;

@@ -7,37 +7,55 @@
 
 static __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-// Pool keys: thread (pool j, channel d) mixes the P slot keys by a softmax over the slots of
-// gate + ape, slots taken in order (max, then the sum, then the weighted sum).
+// One pool key channel: the P slot keys (stride Di from k, g) mixed by a softmax over the slots
+// of gate + ape, slots taken in order (max, then the sum, then the weighted sum).
+static __device__ float pool_channel(const float* k, const float* g, const float* ape, int P,
+                                     int Di) {
+    float mx = neg_inf();
+    for (int m = 0; m < P; ++m) mx = fmaxf(mx, g[m * Di] + ape[m * Di]);
+    float sum = 0.0f;
+    for (int m = 0; m < P; ++m) sum += expf(g[m * Di] + ape[m * Di] - mx);
+    float acc = 0.0f;
+    for (int m = 0; m < P; ++m) {
+        float p = expf(g[m * Di] + ape[m * Di] - mx) / sum;
+        acc = acc + p * k[m * Di];
+    }
+    return acc;
+}
+
+// Pool keys of npool pools laid out [npool, P, Di]: thread (pool j, channel d).
 extern "C" __global__ void kpool_compress(const float* keys, const float* gates, const float* ape,
                                           float* out, int npool, int P, int Di) {
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (id >= (long long)npool * Di) return;
     long long j = id / Di;
     int d = (int)(id % Di);
-    const float* k = keys + j * P * Di + d;
-    const float* g = gates + j * P * Di + d;
-    float mx = neg_inf();
-    for (int m = 0; m < P; ++m) mx = fmaxf(mx, g[m * Di] + ape[m * Di + d]);
-    float sum = 0.0f;
-    for (int m = 0; m < P; ++m) sum += expf(g[m * Di] + ape[m * Di + d] - mx);
-    float acc = 0.0f;
-    for (int m = 0; m < P; ++m) {
-        float p = expf(g[m * Di] + ape[m * Di + d] - mx) / sum;
-        acc = acc + p * k[m * Di];
-    }
-    out[id] = acc;
+    out[id] = pool_channel(keys + j * P * Di + d, gates + j * P * Di + d, ape + d, P, Di);
 }
 
-// Pool scores of row r (blockIdx.y): thread j computes sum_h w_h relu(scale q_h . pk_j) for a
-// complete pool j < n_r, heads in order, each dot over the channels in order.
+// The pools that plane rows at..at+t-1 complete (pools at/P .. (at+t)/P - 1, `at` read from the
+// device so a captured graph stays valid as the plane grows), from the plane's own key and gate
+// rows into pool_keys. Thread (pool j - at/P, channel d); the grid covers t/P + 1 pools.
+extern "C" __global__ void kpool_finalize(const float* keys, const float* gates, const float* ape,
+                                          float* pool_keys, const int* at, int t, int P, int Di) {
+    long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long j = at[0] / P + id / Di;
+    if (j >= (at[0] + t) / P) return;
+    int d = (int)(id % Di);
+    pool_keys[j * Di + d] = pool_channel(keys + j * P * Di + d, gates + j * P * Di + d, ape + d, P, Di);
+}
+
+// Pool scores of row r (blockIdx.y) at position at + r: thread j computes
+// sum_h w_h relu(scale q_h . pk_j) for a complete pool j < n_r, heads in order, each dot over the
+// channels in order. Dense rows (n_r <= budget) need no scores. The grid covers every pool the
+// plane can hold (nmax), so one launch shape serves every position.
 extern "C" __global__ void kpool_scores(const float* q, const float* w, const float* pool_keys,
-                                        float* scores, int pos0, int pool, int Hi, int Di,
-                                        int nmax, float scale) {
+                                        float* scores, const int* at, int pool, int budget, int Hi,
+                                        int Di, int nmax, float scale) {
     int r = blockIdx.y;
     int j = blockIdx.x * blockDim.x + threadIdx.x;
-    int n = (pos0 + r + 1) / pool;
-    if (j >= n) return;
+    int n = (at[0] + r + 1) / pool;
+    if (n <= budget || j >= n) return;
     const float* qr = q + (long long)r * Hi * Di;
     const float* pk = pool_keys + (long long)j * Di;
     float acc = 0.0f;
@@ -80,13 +98,13 @@ static __device__ void block_best(float& v, int& i, float* sv, int* si) {
 // the result is the exact top-`budget` set under the total order), then write the chosen
 // pools' positions in ascending pool order, the tail n*pool..p, and -1 padding.
 // Dynamic shared memory: budget ints.
-extern "C" __global__ void kpool_select(const float* scores, int* out, int pos0, int pool,
+extern "C" __global__ void kpool_select(const float* scores, int* out, const int* at, int pool,
                                         int budget, int width, int nmax) {
     __shared__ float sv[MEMRA_BLOCK];
     __shared__ int si[MEMRA_BLOCK];
     extern __shared__ int chosen[];
     int r = blockIdx.x;
-    int p = pos0 + r;
+    int p = at[0] + r;
     int n = (p + 1) / pool;
     int* o = out + (long long)r * width;
     if (n <= budget) {

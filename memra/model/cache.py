@@ -40,6 +40,12 @@ class LatentPlane:
                 f"position {pos0}; the plane and the cache position disagree (a missed rollback?)"
             )
 
+    def advance(self, length: int, pool: int) -> None:
+        """After a walk wrote rows up to `length`: every pool they complete is finalized."""
+        self.length = length
+        if self.pool_keys is not None:
+            self.pools_ready = length // pool
+
     def truncate(self, length: int, pool: int) -> None:
         """Shorten the plane to `length` rows; pool keys past floor(length / P) become stale,
         so `pools_ready` is clamped with it (rows are rewritten by position, nothing else)."""
@@ -48,7 +54,9 @@ class LatentPlane:
             self.pools_ready = min(self.pools_ready, length // pool)
 
     def check_residency(self, pool: int, name: str) -> None:
-        """The tripwire: finalized pool keys must not run past what `length` justifies."""
+        """The tripwire: finalized pool keys must be exactly the complete pools of the plane.
+        Past floor(length / P) they are stale; short of it a walk would score unwritten keys
+        (walks finalize only the pools their own rows complete)."""
         if self.pools_ready > self.length // pool:
             raise ResidencyError(
                 f"{name}: index_pools_ready={self.pools_ready} but the latent plane holds "
@@ -56,6 +64,18 @@ class LatentPlane:
                 "pool keys past the plane are stale — a rollback must clamp index_pools_ready "
                 "to floor(len / index_kpool)"
             )
+        if self.pools_ready < self.length // pool:
+            raise ResidencyError(
+                f"{name}: index_pools_ready={self.pools_ready} but the latent plane holds "
+                f"{self.length} rows ({self.length // pool} complete pools of {pool}); pools were "
+                "completed without being finalized — the plane was written outside a walk"
+            )
+
+    def check(self, pos0: int, pool: int, name: str) -> None:
+        """Before a walk writes at pos0: the plane sits there with its pool keys in step."""
+        self.check_append(pos0, name)
+        if self.pool_keys is not None:
+            self.check_residency(pool, name)
 
 
 @dataclass
@@ -78,11 +98,10 @@ class Cache:
     kda: dict[int, KdaState] = field(default_factory=dict)
     mla: dict[int, LatentPlane] = field(default_factory=dict)
     pos: int = 0
+    walks: object = None  # the backend's walk runner for this cache (CUDA: its captured graphs)
 
     def check_planes(self) -> None:
         """Every latent plane must sit at `pos` with its pool keys clamped — checked before a walk
         writes anything, so a tripped wire leaves the cache as it was."""
         for layer, plane in self.mla.items():
-            plane.check_append(self.pos, f"layer {layer}")
-            if plane.pool_keys is not None:
-                plane.check_residency(self.config.index_kpool, f"layer {layer}")
+            plane.check(self.pos, self.config.index_kpool, f"layer {layer}")

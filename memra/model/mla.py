@@ -26,25 +26,18 @@ class KpoolIndexer:
         self.gate = be.matrix(w("indexer.index_kpool_compress_gate"))
         self.ape = be.weight(w("indexer.index_kpool_compress_ape"))
 
-    def __call__(self, x, qr, plane: LatentPlane, pos0: int, name: str):
-        """Write the rows' indexer keys, finalize the pools they complete, select positions."""
+    def __call__(self, x, qr, plane: LatentPlane, at):
+        """Write the rows' indexer keys, finalize the pools they complete, select positions.
+        `at` is the walk's first position as the backend reads it (be.position)."""
         be, cfg = self.be, self.cfg
         t, hi, di, pool = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
-        plane.index_keys[pos0:pos0 + t] = be.layernorm(
-            be.linear(x, self.wk), self.k_norm_w, self.k_norm_b, 1e-6
-        )
-        plane.index_gates[pos0:pos0 + t] = be.linear(x, self.gate)
-        first, last = plane.pools_ready, plane.length // pool
-        if last > first:
-            rows = slice(first * pool, last * pool)
-            keys = plane.index_keys[rows].reshape(last - first, pool, di)
-            gates = plane.index_gates[rows].reshape(last - first, pool, di)
-            plane.pool_keys[first:last] = be.kpool_compress(keys, gates, self.ape)
-            plane.pools_ready = last
+        be.write_rows(plane.index_keys, be.layernorm(be.linear(x, self.wk), self.k_norm_w, self.k_norm_b, 1e-6), at)
+        be.write_rows(plane.index_gates, be.linear(x, self.gate), at)
+        be.kpool_finalize(plane.index_keys, plane.index_gates, self.ape, plane.pool_keys, at, t)
         q = be.linear(qr, self.wq_b).reshape(t, hi, di)
         wts = be.linear(x, self.weights_proj) * np.float32(hi ** -0.5)
         return be.kpool_select(
-            q, wts, plane.pool_keys, pos0, pool, cfg.index_pool_budget, cfg.index_width,
+            q, wts, plane.pool_keys, at, pool, cfg.index_pool_budget, cfg.index_width,
             di ** -0.5,
         )
 
@@ -75,19 +68,17 @@ class MlaMixer:
             plane.pool_keys = be.zeros((max_ctx // cfg.index_kpool + 1, di))
         return plane
 
-    def __call__(self, x, plane: LatentPlane, pos0: int, selection, name: str):
-        """Rows x [t, D] at positions pos0.. -> (out [t, D], selection used)."""
+    def __call__(self, x, plane: LatentPlane, at, selection):
+        """Rows x [t, D] at positions at.. -> (out [t, D], selection used). Writes the plane's
+        rows; the caller checks the plane before (LatentPlane.check) and advances it after."""
         be, cfg, t = self.be, self.cfg, x.shape[0]
         h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-        plane.check_append(pos0, name)
-        if self.indexer is not None:
-            plane.check_residency(cfg.index_kpool, name)
         qr = be.rmsnorm(be.linear(x, self.q_a), self.q_a_norm, cfg.rms_norm_eps)
         q = be.linear(qr, self.q_b).reshape(t, h, dn)
-        plane.latent[pos0:pos0 + t] = be.rmsnorm(be.linear(x, self.kv_a), self.kv_a_norm, cfg.rms_norm_eps)
-        plane.length = pos0 + t
+        be.write_rows(plane.latent, be.rmsnorm(be.linear(x, self.kv_a), self.kv_a_norm, cfg.rms_norm_eps), at)
         if self.indexer is not None:
-            selection = self.indexer(x, qr, plane, pos0, name)
-        o_lat = be.mla_attend(be.head_linear(q, self.w_uk_t), plane.latent[:plane.length], selection, self.scale)
+            selection = self.indexer(x, qr, plane, at)
+        # the whole plane: the selection names only positions below the walk's last row
+        o_lat = be.mla_attend(be.head_linear(q, self.w_uk_t), plane.latent, selection, self.scale)
         o = be.head_linear(o_lat, self.w_uv).reshape(t, h * dv)
         return be.linear(o, self.o_proj), selection

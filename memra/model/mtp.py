@@ -44,8 +44,10 @@ class MtpBlock:
         self._attend(next_tokens, h, plane, pos0)
 
     def _attend(self, next_tokens, h, plane, pos0: int):
-        be, eps = self.be, self.cfg.rms_norm_eps
+        be, eps, pool = self.be, self.cfg.rms_norm_eps, self.cfg.index_kpool
+        plane.check(pos0, pool, self.name)
         e = be.rmsnorm(be.embed(self.embed, next_tokens), self.enorm, eps)
         z = be.linear(be.concat([e, be.rmsnorm(h, self.hnorm, eps)], axis=-1), self.eh_proj)
-        a, _ = self.attn(be.rmsnorm(z, self.in_norm, eps), plane, pos0, None, self.name)
+        a, _ = self.attn(be.rmsnorm(z, self.in_norm, eps), plane, be.position(pos0), None)
+        plane.advance(pos0 + z.shape[0], pool)
         return z, a

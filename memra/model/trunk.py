@@ -66,7 +66,7 @@ class Glm5Model:
             raise InputError(
                 f"max_ctx {max_ctx} exceeds the model's max_position_embeddings ({limit}); ask for less"
             )
-        cache = Cache(config=self.cfg, max_ctx=int(max_ctx))
+        cache = Cache(config=self.cfg, max_ctx=int(max_ctx), walks=self.be.walks())
         for layer in self.layers:
             if layer.kind == KDA:
                 cache.kda[layer.index] = layer.mixer.new_state()
@@ -84,7 +84,7 @@ class Glm5Model:
         and the contracted outputs of `tap_layers` ({layer: [t, D]})."""
         tokens = self._check_tokens(token_ids, cache)
         taps = {layer: None for layer in self._check_taps(tap_layers)}
-        logits, collapsed = self.forward_rows(tokens, cache, taps=taps)
+        logits, collapsed = self.forward_rows(tokens, cache, taps=taps, replay=False)
         cache.pos += len(tokens)
         return self.be.to_host(logits[-1]), collapsed, taps
 
@@ -146,36 +146,57 @@ class Glm5Model:
         ckpt.spent = True
 
     # ---- the walk ----------------------------------------------------------------------------
-    def forward_rows(self, tokens: np.ndarray, cache: Cache, stash: dict | None = None, taps: dict | None = None):
+    def forward_rows(self, tokens: np.ndarray, cache: Cache, stash: dict | None = None,
+                     taps: dict | None = None, replay: bool = True):
         """One walk over t rows at positions cache.pos.. -> (logits [t, V], collapsed [t, D]).
 
         Writes every state plane for the t rows; does not move cache.pos (the caller commits).
         `stash` (layer -> dict) collects the KDA rollback material; `taps` (layer -> None) is
-        filled with each named layer's contracted output rows.
+        filled with each named layer's contracted output rows. With `replay` the cache's walk
+        runner may replay a captured graph of this walk shape (a prefill passes False: its
+        length varies). logits and the stash may be the graph's buffers; collapsed and taps
+        are copies the caller keeps.
         """
-        be = self.be
+        be, t = self.be, int(tokens.size)
         cache.check_planes()
-        pos0 = cache.pos
+        pos0, stashing, tap_layers = cache.pos, stash is not None, tuple(taps or ())
+        walk = lambda tok, at: self._walk(tok, at, cache, stashing, tap_layers)
+        key = (t, stashing, tap_layers) if replay else None
+        logits, collapsed, kda, tapped = cache.walks.run(key, walk, tokens, pos0)
+        for plane in cache.mla.values():
+            plane.advance(pos0 + t, self.cfg.index_kpool)
+        if stashing:
+            stash.update(kda)
+        if taps is not None:
+            taps.update({layer: be.copy(rows) for layer, rows in tapped.items()})
+        return logits, be.copy(collapsed)
+
+    def _walk(self, tokens, at, cache: Cache, stashing: bool, tap_layers: tuple):
+        """The device work of a walk, from token ids and the first position (both as the
+        backend reads them) -> (logits, collapsed, KDA stash or None, {tap layer: rows})."""
+        be = self.be
         streams = hyper.expand(be.embed(self.embed_table, tokens), self.cfg.hc_mult)
+        stash = {i: {} for i in cache.kda} if stashing else None
         selections: dict[int, object] = {}
+        tapped = {}
         for layer in self.layers:
-            mix = lambda y: self._mix(layer, self._norm(y, layer.in_norm), cache, pos0, selections, stash)
+            mix = lambda y: self._mix(layer, self._norm(y, layer.in_norm), cache, at, selections, stash)
             streams = layer.attn_site(streams, mix)
             streams = layer.ffn_site(streams, lambda y: layer.ffn(self._norm(y, layer.post_norm)))
-            if taps is not None and layer.index in taps:
-                taps[layer.index] = be.stream_mean(streams)
+            if layer.index in tap_layers:
+                tapped[layer.index] = be.stream_mean(streams)
         collapsed = be.stream_mean(streams)
         logits = be.linear(self._norm(collapsed, self.final_norm), self.lm_head)
-        return logits, collapsed
+        return logits, collapsed, stash, tapped
 
     def _norm(self, x, w):
         return self.be.rmsnorm(x, w, self.cfg.rms_norm_eps)
 
-    def _mix(self, layer: TrunkLayer, x, cache: Cache, pos0: int, selections: dict, stash):
+    def _mix(self, layer: TrunkLayer, x, cache: Cache, at, selections: dict, stash):
         if layer.kind == KDA:
             return layer.mixer(x, cache.kda[layer.index], None if stash is None else stash[layer.index])
         shared = selections.get(layer.selection_from)
-        out, selections[layer.index] = layer.mixer(x, cache.mla[layer.index], pos0, shared, layer.name)
+        out, selections[layer.index] = layer.mixer(x, cache.mla[layer.index], at, shared)
         return out
 
     def _check_taps(self, tap_layers) -> list[int]:

@@ -175,7 +175,7 @@ def _rng(name: str):
 
 def test_every_sparse_op_has_a_bound_a_case_and_the_reference_signature():
     assert {op for op, _ in CASES.values()} == set(TOL)
-    for op in TOL:
+    for op in (*TOL, "kpool_finalize"):  # a plane write: its own tests at the end of this file
         ours, ref = (inspect.signature(getattr(c, op)).parameters for c in (SparseOps, NumpyBackend))
         assert [(p.name, p.default) for p in ours.values()] == [(p.name, p.default) for p in ref.values()], op
 
@@ -322,3 +322,37 @@ def test_red_arm_a_one_ulp_change_of_one_row_is_caught():
     bumped = out.copy()
     bumped[2, 7] = np.nextafter(bumped[2, 7], np.inf)
     assert _same_bits(out[2], out[2]) and not _same_bits(bumped[2], out[2])
+
+
+# ---- the position read from the device (what a captured walk replays) -------------------------
+
+@pytest.mark.parametrize("at, t", [(0, 1), (3, 1), (2, 6), (5, 15), (47, 15), (60, 4)])
+def test_kpool_finalize_at_a_device_position_is_kpool_compress_of_the_completed_pools(at, t):
+    """Bit for bit the compress kernel on the same pools; pools outside the rows untouched."""
+    from memra.backend.cuda_runtime import position
+
+    rng = np.random.default_rng([at, t])
+    keys, gates = normal(rng, (PLANE, 8)), normal(rng, (PLANE, 8))
+    ape = normal(rng, (POOL, 8), 0.5)
+    pool_keys = cp.full((PLANE // POOL + 1, 8), 7.0, cp.float32)
+    OPS.kpool_finalize(cp.asarray(keys), cp.asarray(gates), cp.asarray(ape), pool_keys, position(at), t)
+    got = cp.asnumpy(pool_keys)
+    first, last = at // POOL, (at + t) // POOL
+    done = slice(first * POOL, last * POOL)
+    shape = (last - first, POOL, 8)
+    want = cp.asnumpy(OPS.kpool_compress(cp.asarray(keys[done].reshape(shape)),
+                                         cp.asarray(gates[done].reshape(shape)), cp.asarray(ape)))
+    assert _same_bits(got[first:last], want)
+    assert (np.delete(got, range(first, last), axis=0) == 7.0).all()
+
+
+@pytest.mark.parametrize("pos0", [0, 9, 49])
+def test_kpool_select_reads_the_same_positions_from_a_host_int_or_a_device_buffer(pos0):
+    from memra.backend.cuda_runtime import position
+
+    args, _ = _select_args(np.random.default_rng(pos0), T_MAX, 4, 16, pos0)
+    dev = _dev(args)
+    from_int = cp.asnumpy(OPS.kpool_select(*dev))
+    from_buffer = cp.asnumpy(OPS.kpool_select(*dev[:3], position(pos0), *dev[4:]))
+    assert np.array_equal(from_int, from_buffer)
+    np.testing.assert_array_equal(from_int, REF.kpool_select(*args))

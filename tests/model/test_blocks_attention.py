@@ -243,7 +243,9 @@ def run_mla(cfg, W, x, chunks):
     plane = mixer.new_plane(64)
     outs, sels = [], []
     for a, b in chunks:
-        o, s = mixer(x[a:b], plane, a, None, "layer under test")
+        plane.check(a, cfg.index_kpool, "layer under test")
+        o, s = mixer(x[a:b], plane, a, None)
+        plane.advance(b, cfg.index_kpool)
         outs.append(o)
         sels += [as_list(r) for r in s]
     return np.concatenate(outs), sels

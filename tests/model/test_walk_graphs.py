@@ -1,0 +1,131 @@
+"""CUDA graphs of the decode and verify walks (GPU host only).
+
+* A replayed walk is the eager walk, bit for bit: greedy decoding with graphs on and off gives
+  identical logits at every step, across pool boundaries and the dense -> sparse kpool threshold,
+  on two caches decoding in turn.
+* Verify walks of t = 1..15 rows (with the KDA stash and a tap) replay bit-identically, and a
+  rollback from a replayed walk leaves every state plane as the eager one does.
+* The walks really replay: a captured graph per shape once a shape is seen twice; a prefill
+  never is captured.
+* Red arm: a replay that keeps the captured position instead of uploading the new one breaks
+  the identity, so the comparison can fail.
+"""
+
+import numpy as np
+import pytest
+
+from tests.gpu import cupy_or_skip
+
+pytestmark = pytest.mark.gpu
+cp = cupy_or_skip()
+
+from memra import load_model  # noqa: E402
+from memra.backend.cuda_graphs import WalkGraphs  # noqa: E402
+
+STEPS = 40  # from position 9: ten pool boundaries (P = 4) and the dense -> sparse switch
+
+
+@pytest.fixture(scope="module", params=[("mini", 0, "float32"), ("small", 13, "bfloat16")])
+def model(request, fixture_dir):
+    name, seed, dtype = request.param
+    return load_model(fixture_dir(name, seed=seed, dtype=dtype), backend="cuda")
+
+
+def _prompt(model, n, seed):
+    return np.random.default_rng(seed).integers(0, model.cfg.vocab_size, n)
+
+
+def _cache(model, graphs: bool, walks=None):
+    cache = model.new_cache(128)
+    cache.walks = walks if walks is not None else WalkGraphs(enabled=graphs)
+    return cache
+
+
+def _greedy(model, caches_prompts, steps=STEPS):
+    """Greedy decode several caches in turn -> one [steps + 1, V] logits stack per cache."""
+    logits = [[model.prime(p, c)] for c, p in caches_prompts]
+    for _ in range(steps):
+        for (cache, _), out in zip(caches_prompts, logits):
+            out.append(model.decode_step(int(np.argmax(out[-1])), cache))
+    return [np.stack(out) for out in logits]
+
+
+def _planes(model, cache) -> dict:
+    out = {"pos": cache.pos}
+    for i, st in cache.kda.items():
+        out[f"kda{i}"] = (cp.asnumpy(st.ring), cp.asnumpy(st.state))
+    for i, plane in cache.mla.items():
+        n = plane.length
+        out[f"mla{i}"] = (n, plane.pools_ready, cp.asnumpy(plane.latent[:n]))
+        if plane.pool_keys is not None:
+            out[f"idx{i}"] = (cp.asnumpy(plane.index_keys[:n]), cp.asnumpy(plane.index_gates[:n]),
+                              cp.asnumpy(plane.pool_keys[:plane.pools_ready]))
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    return a == b
+
+
+def test_graph_decoding_is_eager_decoding_bit_for_bit_on_two_caches_in_turn(model):
+    prompts = [_prompt(model, 9, 1), _prompt(model, 13, 2)]
+    eager = _greedy(model, [(_cache(model, False), p) for p in prompts])
+    caches = [_cache(model, True) for _ in prompts]
+    graphed = _greedy(model, list(zip(caches, prompts)))
+    for cache in caches:
+        assert list(cache.walks.graphs) == [(1, False, ())], "the decode walk was not captured"
+    for e, g in zip(eager, graphed):
+        assert _same(e, g)
+
+
+def test_a_prefill_is_never_captured(model):
+    cache = _cache(model, True)
+    model.prime(_prompt(model, 12, 3), cache)
+    assert cache.walks.graphs == {} and cache.walks.seen == set()
+
+
+@pytest.mark.parametrize("t", [1, 2, 5, 8, 15])
+def test_replayed_verify_walks_and_their_rollbacks_are_the_eager_ones(model, t):
+    """Four rounds (eager, capture, replay, replay), each rolled back to a different keep."""
+    prompt, tap = _prompt(model, 10, t), (1,)
+    runs = {}
+    for graphs in (False, True):
+        cache = _cache(model, graphs)
+        model.prime(prompt, cache)
+        rng = np.random.default_rng(t)
+        rounds = []
+        for keep in (t, 1, (t + 1) // 2, t):
+            tokens = rng.integers(0, model.cfg.vocab_size, t)
+            logits, collapsed, ckpt = model.verify_rows(tokens, cache, tap_layers=tap)
+            rounds.append((logits, cp.asnumpy(collapsed), cp.asnumpy(ckpt.taps[1])))
+            model.rollback(cache, ckpt, keep)
+            rounds.append(_planes(model, cache))
+        runs[graphs] = rounds
+        if graphs:
+            assert (t, True, tap) in cache.walks.graphs
+    for eager, graphed in zip(runs[False], runs[True]):
+        assert _same(eager, graphed)
+
+
+class KeepsTheCapturedPosition(WalkGraphs):
+    """Red arm: replays upload the tokens but keep the position the graph was captured at."""
+
+    def run(self, key, walk, tokens, pos0):
+        captured = self.graphs.get(key)
+        if captured is not None:
+            pos0 = int(captured.inputs[0].get())
+        return super().run(key, walk, tokens, pos0)
+
+
+def test_red_arm_a_replay_at_a_stale_position_breaks_the_identity(model):
+    prompt = _prompt(model, 9, 1)
+    eager = _greedy(model, [(_cache(model, False), prompt)])[0]
+    stale = _greedy(model, [(_cache(model, True, walks=KeepsTheCapturedPosition()), prompt)])[0]
+    assert np.array_equal(eager[:3], stale[:3])  # eager, eager-before-capture, capture
+    assert not _same(eager, stale)

@@ -89,12 +89,10 @@ def decode(model, args, roof: float | None, cuda: bool) -> dict:
     cache, token = prime_context(model, args.context, room, args.seed)
     runs = {}
     for mode in modes:
-        if cuda:
-            cache.walks.enabled = mode == "graph"
+        cache.walks.enabled = mode == "graph"
         runs[mode], token = timed_steps(model, cache, token, args.steps, cuda)
     state = state_bytes(model, cache, rows=1)
-    if cuda:
-        cache.walks.enabled = False  # a replayed graph launches nothing through `launch`
+    cache.walks.enabled = False  # a replayed graph launches nothing through `launch`
     with counted_launches() as launches:
         greedy_steps(model, cache, token, COUNTED_STEPS, cuda)
     # t = 1: the k experts a row picks are distinct, so k per MoE layer is exact

@@ -8,8 +8,9 @@ Greedy only. After a --context-token prompt: the plain greedy tape and plain tok
 the verify time of K+1 rows (median of --reps walks, each undone) and the real per-round draft
 cost of native-mtp (when the preset has an MTP block) and of a dflash2 fixture drafter built for
 the preset (median propose() time over a real session of --steps tokens). Then for each (alpha, K)
-a session of --steps tokens drafted by `TapeSource` (the tape's next K tokens, each corrupted with
-probability 1 - alpha: acceptance is forced, draft cost ~0). Its output must equal the plain tape
+a session drafted by `TapeSource` (the tape's next K tokens, each corrupted with
+probability 1 - alpha: acceptance is forced, draft cost ~0): two untimed rounds (the session's
+cache captures its verify walk), then --steps tokens timed. Its output must equal the plain tape
 or the run fails. Reported: tokens/s, rounds, mean accepted per round, speedup vs plain; the bound
 E[tokens/round] / round time with E = (1 - alpha^(K+1)) / (1 - alpha) (K + 1 at alpha = 1) and
 round time = verify(K+1) + draft cost, and the fraction achieved; and, per real source, tokens/s
@@ -39,9 +40,11 @@ from memra.drafters.dflash2 import DFlash2Source  # noqa: E402
 from memra.drafters.dflash2.fixture import write_fixture_drafter  # noqa: E402
 from memra.drafters.native_mtp import NativeMtpSource  # noqa: E402
 from memra.errors import MemraError  # noqa: E402
+from memra.spec.metrics import SpecMetrics  # noqa: E402
 from memra.spec.session import MAX_K, SpecSession  # noqa: E402
 
 # the built-in sources, taken directly: a broken third-party plugin must not void their timing
+GRAPH_ROUNDS = 2  # untimed rounds per session: its verify walk runs eagerly once, then is captured
 DRAFT_SOURCES = {"native-mtp": NativeMtpSource, "dflash2": DFlash2Source}
 
 
@@ -98,10 +101,16 @@ class TimedDrafter:
 
 
 def spec_run(model, prompt, drafter, tape: list[int], steps: int, k: int, cuda: bool):
-    """One greedy session making at least `steps` tokens after the prime's -> (ms of the burst,
-    SpecMetrics); raises unless its output is the plain tape."""
-    session = SpecSession(model, prompt, drafter, max_ctx=len(prompt) + steps + k + 8)
-    ms, (out, _, _) = timed_call(partial(session.burst, steps + 1, k), cuda)  # + the prime's token
+    """One greedy session: GRAPH_ROUNDS untimed rounds (the session's cache runs its verify walk
+    eagerly once, then captures it), then a timed burst of at least `steps` tokens -> (ms of the
+    burst, SpecMetrics of its rounds); raises unless the session's output is the plain tape."""
+    session = SpecSession(model, prompt, drafter, max_ctx=len(prompt) + steps + (GRAPH_ROUNDS + 1) * (k + 1) + 8)
+    out, _, _ = session.burst(1, k)  # the anchor: the prime's token
+    while session.metrics.rounds < GRAPH_ROUNDS:
+        out += session.burst(1, k)[0]
+    session.metrics = SpecMetrics()
+    ms, (more, _, _) = timed_call(partial(session.burst, steps, k), cuda)
+    out += more
     if out != tape[:len(out)]:
         at = next(i for i, (a, b) in enumerate(zip(out, tape)) if a != b)
         raise MemraError(f"greedy speculative output left the plain tape at token {at} (k={k}, drafter "
@@ -140,7 +149,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 def point(model, prompt, tape, alpha, k, verify_ms, costs, plain_tps, args, cuda) -> dict:
     source = TapeSource(tape, alpha, model.cfg.vocab_size, args.seed + k)
     ms, m = spec_run(model, prompt, source, tape, args.steps, k, cuda)
-    tokens = m.rounds + m.num_accepted_tokens  # the first token comes from the prime, as in plain
+    tokens = m.rounds + m.num_accepted_tokens  # what the timed rounds committed
     tps, e = tokens / ms * 1e3, expected_tokens(alpha, k)
     with_cost = {}
     for name, per_k in costs.items():
@@ -189,7 +198,7 @@ def main(argv=None) -> int:
     model = build_model(args.preset, args.backend, args.seed)
     cuda = args.backend == "cuda"
     # the tape covers a burst's overshoot (up to K tokens past --steps) so drafts never run out
-    room = WARMUP_STEPS + args.steps + max(args.ks)
+    room = WARMUP_STEPS + args.steps + (GRAPH_ROUNDS + 1) * (max(args.ks) + 1)
     cache, anchor = prime_context(model, args.context, room, args.seed)
     tape: list[int] = []
     times, last = greedy_steps(model, cache, anchor, room, cuda, tape)

@@ -43,8 +43,10 @@ def greedy_tape(model, cache, anchor: int, n: int) -> list[int]:
 
 
 def walk(model, cache, tokens: list[int], reps: int, roof: float | None, cuda: bool) -> dict:
+    graphs, cache.walks.enabled = cache.walks.enabled, False  # counted eagerly: routed_experts reads the experts back per layer
     with routed_experts(model.be) as picked, counted_launches() as launches:
         _, _, ckpt = model.verify_rows(tokens, cache)
+    cache.walks.enabled = graphs
     undo(cache, ckpt)
     verify, rollback = verify_times(model, cache, tokens, reps, cuda)
     t, ms = len(tokens), float(np.median(verify))

@@ -22,7 +22,7 @@ WARPS = BLOCK // 32  # moe.cu: output units (one warp each) per block
 ROUTE_ROWS = 4  # moe_route_select: one warp per row
 MAX_TOPK = 32  # moe_route_select keeps the chosen experts in a fixed local array
 MAX_GROUPS = 64  # ... and the kept groups in a 64-bit mask
-MAX_EXPERTS = 3072  # ... and its rows' scores in 48 KB of shared memory
+MAX_EXPERTS = 3072  # ... and its rows' scores in 48 KB of shared memory (moe.cu MOE_MAX_EXPERTS)
 
 
 def _blocks(n: int, per: int = BLOCK) -> int:
@@ -170,16 +170,20 @@ class SparseOps:
         h = cp.zeros((t, k, inter), cp.float32)
         y = cp.zeros((t, k, d), cp.float32)
         if kind == "bf16":  # tensor-core tiles of 16 gate|up units and 32 outputs; 8 or 16 rows a pass
-            rows = "n1" if t <= 8 else "n2"
-            gate_up = (f"moe_gate_up_bf16_{rows}", (_blocks(inter, 16), e))
-            down = (f"moe_down_bf16_{rows}", (_blocks(d, 32), e))
-        else:
-            gate_up = ("moe_gate_up_f32", (_blocks(inter, WARPS), e))
-            down = ("moe_down_f32", (_blocks(d, WARPS), e))
-        launch("moe", gate_up[0], gate_up[1], (BLOCK,),
-               (x, idx, gate_w, up_w, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
-        launch("moe", down[0], down[1], (BLOCK,),
-               (h, idx, down_w, y, i32(t), i32(k), i32(inter), i32(d)))
+            # blocks only for the experts the rows route to: their ascending list, made on the device
+            assert e <= MAX_EXPERTS, f"moe_experts: E={e} experts, at most {MAX_EXPERTS}"
+            rows, listed = "n1" if t <= 8 else "n2", min(e, t * k)
+            experts, count = cp.empty(listed, cp.int32), cp.empty(1, cp.int32)
+            launch("moe", "moe_expert_list", (1,), (BLOCK,), (idx, i32(t * k), i32(e), experts, count))
+            launch("moe", f"moe_gate_up_bf16_{rows}", (_blocks(inter, 16), listed), (BLOCK,),
+                   (x, idx, experts, count, gate_w, up_w, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
+            launch("moe", f"moe_down_bf16_{rows}", (_blocks(d, 32), listed), (BLOCK,),
+                   (h, idx, experts, count, down_w, y, i32(t), i32(k), i32(inter), i32(d)))
+        else:  # float32 weights (test fixtures): a block row per expert, idle where none is routed
+            launch("moe", "moe_gate_up_f32", (_blocks(inter, WARPS), e), (BLOCK,),
+                   (x, idx, gate_w, up_w, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
+            launch("moe", "moe_down_f32", (_blocks(d, WARPS), e), (BLOCK,),
+                   (h, idx, down_w, y, i32(t), i32(k), i32(inter), i32(d)))
         launch("moe", "moe_combine", (_blocks(t * d),), (BLOCK,),
                (y, wts, out, i32(t), i32(k), i32(d)))
         return out

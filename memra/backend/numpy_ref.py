@@ -366,6 +366,8 @@ class NumpyBackend:
 class EagerWalks:
     """Runs every walk as it comes: `run(key, walk, tokens, pos0)` = walk(tokens, position)."""
 
+    enabled = False  # nothing to capture (the CUDA runner's switch, for callers that flip it)
+
     def __init__(self, be):
         self.be = be
 

@@ -245,16 +245,52 @@ static __device__ int next_pairs(const long long* idx, int total, int e, int cap
     return n;
 }
 
-// bf16 experts, tensor cores. gate_up: block (i-tile of 16, expert e): weight rows 0..15 are
-// gate rows i0.., 16..31 the up rows, so the SwiGLU pairs meet in one tile. down: block
-// (c-tile of 32, e). grid (ceil(I / 16), E) and (ceil(D / 32), E), block MMA_THREADS.
+#define MOE_MAX_EXPERTS 3072  // cuda_sparse.MAX_EXPERTS
+
+// The distinct experts that idx [n] routes to, ascending, into list; their number into *count.
+// One block. The bf16 expert kernels run one block row per listed expert, so a decode step
+// launches blocks only for the k experts it reads instead of for all E.
+extern "C" __global__ void moe_expert_list(const long long* idx, int n, int E, int* list, int* count) {
+    __shared__ int used[MOE_MAX_EXPERTS];
+    __shared__ int warp_hits[MEMRA_BLOCK / 32];
+    __shared__ int listed;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int e = threadIdx.x; e < E; e += MEMRA_BLOCK) used[e] = 0;
+    if (threadIdx.x == 0) listed = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < n; p += MEMRA_BLOCK)
+        if (idx[p] >= 0 && idx[p] < E) used[idx[p]] = 1;
+    __syncthreads();
+    for (int e0 = 0; e0 < E; e0 += MEMRA_BLOCK) {
+        const int e = e0 + threadIdx.x;
+        const bool on = e < E && used[e];
+        const unsigned hits = __ballot_sync(0xffffffffu, on);
+        if (lane == 0) warp_hits[warp] = __popc(hits);
+        __syncthreads();
+        int at = listed;
+        for (int v = 0; v < warp; ++v) at += warp_hits[v];
+        if (on) list[at + __popc(hits & ((1u << lane) - 1u))] = e;
+        __syncthreads();
+        if (threadIdx.x == 0)
+            for (int v = 0; v < MEMRA_BLOCK / 32; ++v) listed += warp_hits[v];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *count = listed;
+}
+
+// bf16 experts, tensor cores. gate_up: block (i-tile of 16, listed expert e = list[y]): weight
+// rows 0..15 are gate rows i0.., 16..31 the up rows, so the SwiGLU pairs meet in one tile. down:
+// block (c-tile of 32, listed expert). grid (ceil(I / 16), min(E, t k)) and (ceil(D / 32), ..),
+// block MMA_THREADS; block rows past *listed exit at once.
 template <int NT>
-static __device__ void gate_up_bf16(const float* x, const long long* idx, const unsigned short* gate_w,
+static __device__ void gate_up_bf16(const float* x, const long long* idx, const int* list,
+                                    const int* listed, const unsigned short* gate_w,
                                     const unsigned short* up_w, float* h, int t, int k, int I, int D,
                                     float limit) {
     __shared__ MmaTile<2, NT> sh;
     __shared__ int pairs[8 * NT], count, cursor[2];
-    const int e = blockIdx.y, i0 = blockIdx.x * 16, g = threadIdx.x % MMA_WARP / 4;
+    if (blockIdx.y >= *listed) return;
+    const int e = list[blockIdx.y], i0 = blockIdx.x * 16, g = threadIdx.x % MMA_WARP / 4;
     const bool w_aligned = (reinterpret_cast<unsigned long long>(gate_w) % 16) == 0 &&
                            (reinterpret_cast<unsigned long long>(up_w) % 16) == 0 && D % 8 == 0;
     const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && D % 4 == 0;
@@ -286,11 +322,13 @@ static __device__ void gate_up_bf16(const float* x, const long long* idx, const 
 }
 
 template <int NT>
-static __device__ void down_bf16(const float* h, const long long* idx, const unsigned short* down_w,
-                                 float* y, int t, int k, int I, int D) {
+static __device__ void down_bf16(const float* h, const long long* idx, const int* list,
+                                 const int* listed, const unsigned short* down_w, float* y, int t,
+                                 int k, int I, int D) {
     __shared__ MmaTile<2, NT> sh;
     __shared__ int pairs[8 * NT], count, cursor[2];
-    const int e = blockIdx.y, c0 = blockIdx.x * 32, g = threadIdx.x % MMA_WARP / 4;
+    if (blockIdx.y >= *listed) return;
+    const int e = list[blockIdx.y], c0 = blockIdx.x * 32, g = threadIdx.x % MMA_WARP / 4;
     const bool w_aligned = (reinterpret_cast<unsigned long long>(down_w) % 16) == 0 && I % 8 == 0;
     const bool x_aligned = (reinterpret_cast<unsigned long long>(h) % 16) == 0 && I % 4 == 0;
     const unsigned short* wrow[2][2];
@@ -319,15 +357,17 @@ static __device__ void down_bf16(const float* h, const long long* idx, const uns
 
 #define EXPERTS_BF16(NT)                                                                           \
     extern "C" __global__ void moe_gate_up_bf16_n##NT(const float* x, const long long* idx,        \
+                                                      const int* list, const int* listed,          \
                                                       const unsigned short* gw,                    \
                                                       const unsigned short* uw, float* h, int t,   \
                                                       int k, int I, int D, float limit) {          \
-        gate_up_bf16<NT>(x, idx, gw, uw, h, t, k, I, D, limit);                                    \
+        gate_up_bf16<NT>(x, idx, list, listed, gw, uw, h, t, k, I, D, limit);                      \
     }                                                                                              \
     extern "C" __global__ void moe_down_bf16_n##NT(const float* h, const long long* idx,           \
+                                                   const int* list, const int* listed,             \
                                                    const unsigned short* dw, float* y, int t,      \
                                                    int k, int I, int D) {                          \
-        down_bf16<NT>(h, idx, dw, y, t, k, I, D);                                                  \
+        down_bf16<NT>(h, idx, list, listed, dw, y, t, k, I, D);                                    \
     }
 
 EXPERTS_BF16(1) EXPERTS_BF16(2)

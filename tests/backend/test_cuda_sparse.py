@@ -356,3 +356,17 @@ def test_kpool_select_reads_the_same_positions_from_a_host_int_or_a_device_buffe
     from_buffer = cp.asnumpy(OPS.kpool_select(*dev[:3], position(pos0), *dev[4:]))
     assert np.array_equal(from_int, from_buffer)
     np.testing.assert_array_equal(from_int, REF.kpool_select(*args))
+
+
+@pytest.mark.parametrize("t, k, e", [(1, 8, 64), (15, 8, 64), (40, 2, 8), (3, 4, 3072), (600, 8, 300)])
+def test_moe_expert_list_is_the_ascending_distinct_experts_routed(t, k, e):
+    """The bf16 expert kernels run one block row per listed expert, so the list must be exact."""
+    from memra.backend.cuda_runtime import launch
+
+    rng = np.random.default_rng([t, k, e])
+    idx = np.sort(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), axis=1).astype(np.int64)
+    listed, count = cp.full(min(e, t * k), -1, cp.int32), cp.empty(1, cp.int32)
+    launch("moe", "moe_expert_list", (1,), (256,), (cp.asarray(idx), np.int32(t * k), np.int32(e), listed, count))
+    want = np.unique(idx)
+    assert int(count.get()[0]) == want.size
+    assert np.array_equal(cp.asnumpy(listed)[:want.size], want)

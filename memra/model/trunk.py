@@ -86,7 +86,7 @@ class Glm5Model:
         taps = {layer: None for layer in self._check_taps(tap_layers)}
         logits, collapsed = self.forward_rows(tokens, cache, taps=taps, replay=False)
         cache.pos += len(tokens)
-        return self.be.to_host(logits[-1]), collapsed, taps
+        return self.be.to_host(logits[-1]), self.be.copy(collapsed), taps
 
     def decode_step(self, token_id, cache: Cache) -> np.ndarray:
         """Consume one token; returns float32 logits [vocab] for the next position."""
@@ -115,7 +115,7 @@ class Glm5Model:
             taps={layer: None for layer in self._check_taps(tap_layers)},
         )
         logits, collapsed = self.forward_rows(tokens, cache, stash=ckpt.kda, taps=ckpt.taps)
-        return self.be.to_host(logits), collapsed, ckpt
+        return self.be.to_host(logits), self.be.copy(collapsed), ckpt
 
     def rollback(self, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
         """Commit the first `keep` rows of a verify walk (1 <= keep <= t) and undo the rest:
@@ -154,8 +154,8 @@ class Glm5Model:
         `stash` (layer -> dict) collects the KDA rollback material; `taps` (layer -> None) is
         filled with each named layer's contracted output rows. With `replay` the cache's walk
         runner may replay a captured graph of this walk shape (a prefill passes False: its
-        length varies). logits and the stash may be the graph's buffers; collapsed and taps
-        are copies the caller keeps.
+        length varies). logits, collapsed and the stash may be the graph's buffers, which
+        the shape's next walk overwrites; taps are copies the caller keeps.
         """
         be, t = self.be, int(tokens.size)
         cache.check_planes()
@@ -169,7 +169,7 @@ class Glm5Model:
             stash.update(kda)
         if taps is not None:
             taps.update({layer: be.copy(rows) for layer, rows in tapped.items()})
-        return logits, be.copy(collapsed)
+        return logits, collapsed
 
     def _walk(self, tokens, at, cache: Cache, stashing: bool, tap_layers: tuple):
         """The device work of a walk, from token ids and the first position (both as the

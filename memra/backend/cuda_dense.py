@@ -26,6 +26,9 @@ from memra.errors import InputError
 WARPS_PER_BLOCK = 8   # dense.cu: BLOCK / 32
 OUTS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4, 16: 2}  # dense.cu PROJECTIONS: f32 row template -> outputs per warp
 BF16_OUTS = 32  # dense.cu: outputs per block of the bf16 (tensor-core) projections
+SPLIT_KC = 2048  # dense.cu linear_bf16_split: in-features per split-K slice (a fixed size)
+SPLIT_BELOW_BLOCKS = 256  # ... taken when the outputs alone make fewer blocks than this
+EXACT_ROWS = 15  # the exact class (model.trunk.VERIFY_CAP): prime-class calls never split
 MAX_GRID = 65535 * 32  # elementwise launches: grid-stride loops cover the rest
 INT32_MAX = 2**31 - 1
 
@@ -48,6 +51,16 @@ def projection(kind: str, t: int, n_out: int) -> tuple[str, int]:
     T = next(T for T in (1, 2, 4, 8, 16) if T >= min(t, 16))
     per_block = WARPS_PER_BLOCK * OUTS_PER_WARP[T]
     return f"f32_t{T}", (n_out + per_block - 1) // per_block
+
+
+def split_k(t: int, n_in: int, n_out: int) -> int:
+    """Split-K slices of SPLIT_KC in-features for a bf16 projection (1: none). Taken for exact-class
+    row counts when the outputs alone make few blocks and the in-features are long; it depends
+    on the shape only, so every row count 1..15 sums each output alike."""
+    blocks = (n_out + BF16_OUTS - 1) // BF16_OUTS
+    if t > EXACT_ROWS or blocks >= SPLIT_BELOW_BLOCKS or n_in < 2 * SPLIT_KC:
+        return 1
+    return (n_in + SPLIT_KC - 1) // SPLIT_KC
 
 
 def _rows_of(x, name: str) -> tuple[int, int]:
@@ -107,10 +120,19 @@ class DenseOps:
         assert x.ndim == 2 and x.shape[1] == n_in, f"x: expected [t, {n_in}], got {x.shape}"
         t = x.shape[0]
         out = cp.empty((t, n_out), cp.float32)
-        if t and n_out:
-            suffix, blocks = projection(kind, t, n_out)
+        if not (t and n_out):
+            return out
+        suffix, blocks = projection(kind, t, n_out)
+        splits = split_k(t, n_in, n_out) if kind == "bf16" else 1
+        if splits == 1:
             launch("dense", f"linear_{suffix}", (blocks,), (BLOCK,),
                    (x, w, out, i32(t), i32(n_in), i32(n_out)))
+            return out
+        part = cp.empty((splits, t, n_out), cp.float32)
+        launch("dense", f"linear_{suffix.replace('bf16', 'bf16_split')}", (blocks, splits), (BLOCK,),
+               (x, w, part, i32(t), i32(n_in), i32(n_out), i32(SPLIT_KC)))
+        launch("dense", "linear_split_sum", (min((out.size + BLOCK - 1) // BLOCK, MAX_GRID),), (BLOCK,),
+               (part, out, np.int64(out.size), i32(splits)))
         return out
 
     def head_linear(self, x, w):

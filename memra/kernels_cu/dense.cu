@@ -124,14 +124,16 @@ PROJECTIONS(1, 1) PROJECTIONS(2, 2) PROJECTIONS(4, 4) PROJECTIONS(8, 4) PROJECTI
 
 // bf16 weights: 32 outputs per block of MMA_THREADS, 8 NT rows per pass (NT = 1 for t <= 8,
 // else 2; the host picks, the bits do not depend on it). grid (ceil(out / 32)[, H]).
+// w_stride: elements from one weight row to the next (n_in, or more for a split-K slice).
 #define BF16_OUTS 32
 
 template <int NT>
 static __device__ void project_bf16(const float* x, const unsigned short* w, float* y, int t,
-                                    int n_in, int n_out, long long x_stride, long long y_stride) {
+                                    int n_in, int n_out, long long x_stride, long long y_stride,
+                                    long long w_stride) {
     __shared__ MmaTile<2, NT> sh;
     const int g = threadIdx.x % MMA_WARP / 4, o0 = blockIdx.x * BF16_OUTS;
-    const bool w_aligned = (reinterpret_cast<unsigned long long>(w) % 16) == 0 && n_in % 8 == 0;
+    const bool w_aligned = (reinterpret_cast<unsigned long long>(w) % 16) == 0 && w_stride % 8 == 0;
     const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && x_stride % 4 == 0;
     const unsigned short* wrow[2][2];
 #pragma unroll
@@ -139,7 +141,7 @@ static __device__ void project_bf16(const float* x, const unsigned short* w, flo
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int o = o0 + 16 * j + 8 * h + g;
-            wrow[j][h] = o < n_out ? w + (long long)o * n_in : nullptr;
+            wrow[j][h] = o < n_out ? w + (long long)o * w_stride : nullptr;
         }
     for (int r0 = 0; r0 < t; r0 += 8 * NT) {  // more than 8 NT rows only in the prime class
         const int nr = min(8 * NT, t - r0);
@@ -155,19 +157,40 @@ static __device__ void project_bf16(const float* x, const unsigned short* w, flo
     }
 }
 
+// Split-K (a fixed split size kc of in-features, never a count): block (o-tile, s) projects
+// in-features [s kc, s kc + kc) into part[s] [t, out]; linear_split_sum adds the parts in s
+// order. For projections whose outputs alone fill few blocks (a 4096-output o_proj is 128
+// blocks, one per SM, too few loads in flight); the host picks it by shape, never by t.
 #define PROJECTIONS_BF16(NT)                                                                       \
     extern "C" __global__ void linear_bf16_n##NT(const float* x, const unsigned short* w, float* y, \
                                                  int t, int n_in, int n_out) {                     \
-        project_bf16<NT>(x, w, y, t, n_in, n_out, n_in, n_out);                                    \
+        project_bf16<NT>(x, w, y, t, n_in, n_out, n_in, n_out, n_in);                              \
+    }                                                                                              \
+    extern "C" __global__ void linear_bf16_split_n##NT(const float* x, const unsigned short* w,    \
+                                                       float* part, int t, int n_in, int n_out,    \
+                                                       int kc) {                                   \
+        const long long k0 = (long long)blockIdx.y * kc;                                           \
+        project_bf16<NT>(x + k0, w + k0, part + blockIdx.y * (long long)t * n_out, t,              \
+                         (int)min((long long)kc, n_in - k0), n_out, n_in, n_out, n_in);            \
     }                                                                                              \
     extern "C" __global__ void head_linear_bf16_n##NT(const float* x, const unsigned short* w,     \
                                                       float* y, int t, int n_in, int n_out) {      \
         const long long h = blockIdx.y, heads = gridDim.y;                                         \
         project_bf16<NT>(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out,        \
-                         heads * n_in, heads * n_out);                                             \
+                         heads * n_in, heads * n_out, n_in);                                       \
     }
 
 PROJECTIONS_BF16(1) PROJECTIONS_BF16(2)
+
+// y[i] = part[0][i] + part[1][i] + ... + part[splits - 1][i], in that order (grid-stride).
+extern "C" __global__ void linear_split_sum(const float* part, float* y, long long n, int splits) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float acc = part[i];
+        for (int s = 1; s < splits; ++s) acc += part[s * n + i];
+        y[i] = acc;
+    }
+}
 
 // y[i] = table[ids[i]]; grid (n_ids), block MEMRA_BLOCK. An id outside [0, vocab) gives a NaN
 // row (loud downstream) instead of an out-of-bounds read; host ids are checked before launch.

@@ -26,7 +26,7 @@ from tests.gpu import cupy_or_skip
 pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
-from memra.backend.cuda_dense import DenseOps
+from memra.backend.cuda_dense import DenseOps, split_k
 from memra.backend.numpy_ref import NumpyBackend
 from memra.errors import InputError
 from memra.safetensors_io import bf16_to_f32, f32_to_bf16
@@ -129,6 +129,8 @@ CASES = [
     # several in-feature blocks per warp, a full last chunk (1032 = 4 * 256 + 8) / a ragged one
     Case("linear_bf16_wide", make_linear(1032, 70, _bf16), lambda be, r, s: be.linear(r["x"], s["w"])),
     Case("linear_bf16_wide_odd", make_linear(1029, 33, _bf16), lambda be, r, s: be.linear(r["x"], s["w"])),
+    # split-K: 4608 in-features are three 2048-wide slices (the last ragged), 70 outputs one block
+    Case("linear_bf16_split_k", make_linear(4608, 70, _bf16), lambda be, r, s: be.linear(r["x"], s["w"])),
     Case("head_linear", make_head_linear(4, 16, 32), lambda be, r, s: be.head_linear(r["x"], s["w"])),
     Case("head_linear_odd", make_head_linear(3, 17, 13), lambda be, r, s: be.head_linear(r["x"], s["w"])),
     Case("head_linear_bf16", make_head_linear(2, 64, 40, _bf16),
@@ -236,7 +238,15 @@ def test_projection_beyond_one_row_tile_stays_accurate_and_row_exact(name):
     assert _mismatched_rows(DenseOps(), case, rows, shared) == []
 
 
-@pytest.mark.parametrize("n_in", [256, 1029])
+def test_split_k_follows_the_shape_never_the_exact_class_row_count():
+    assert {split_k(t, 4608, 70) for t in range(1, 16)} == {3}  # the split-K table case
+    assert split_k(1, 8192, 4096) == 4 and split_k(1, 16384, 4096) == 8  # o_proj: 128 output blocks
+    assert split_k(1, 4096, 8192) == 1 and split_k(1, 4096, 154880) == 1  # outputs fill the GPU
+    assert split_k(1, 2048, 4096) == 1  # short in-features
+    assert split_k(16, 8192, 4096) == 1  # prime class: accuracy only, no partial buffers
+
+
+@pytest.mark.parametrize("n_in", [256, 1029, 4100])  # 4100: split-K into three slices
 def test_bf16_identity_weight_returns_the_activations_bit_for_bit(n_in):
     """Tensor cores see bf16 pieces hi + mid + lo of each float32 activation; with an identity
     weight every output is exactly that sum, so any lost piece or inexact split shows here."""

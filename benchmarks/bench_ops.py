@@ -5,7 +5,9 @@
 Measures, on the current GPU: device copy bandwidth (the roof), the rows-exact projection
 (`linear`, bf16 weights) at t = 1, 2, 4, 8, 15 against torch's cuBLAS bf16 matmul on the same
 shapes (GLM-5-Next's real widths: 4096 -> 4096, 4096 -> 12288, the 154880-row lm head), the KDA
-recurrence step and MLA decode attention at the real head counts. Prints a readable card on
+recurrence step and MLA decode attention at the real head counts. Projections are timed as CUDA
+graphs of GRAPH_CALLS back-to-back calls on both sides (GPU time per call, as the engine's
+replayed walks pay it), and also one call at a time between events (host launch included). Prints a readable card on
 stderr and ONE JSON line on stdout (device, date, config, git sha, every number).
 """
 
@@ -29,6 +31,7 @@ from memra.backend.cuda import CudaBackend  # noqa: E402
 from memra.safetensors_io import f32_to_bf16  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 15)
+GRAPH_CALLS = 20  # calls per captured graph when timing a projection
 SHAPES = {"proj_4096x4096": (4096, 4096), "ffn_4096x12288": (4096, 12288), "lm_head_4096x154880": (4096, 154880)}
 
 
@@ -43,11 +46,50 @@ def bench_linear(be, rng) -> dict:
         for t in ROWS:
             x = cp.asarray(rng.standard_normal((t, d_in)).astype(np.float32))
             x_torch = torch.as_tensor(cp.asnumpy(x), device="cuda").to(torch.bfloat16)
-            ours = time_ms(lambda: be.linear(x, w))
-            cublas = time_ms(lambda: torch.matmul(x_torch, w_torch.T))
+            ours, cublas = cupy_graph_ms(lambda: be.linear(x, w)), torch_graph_ms(lambda: torch.matmul(x_torch, w_torch.T))
+            ours_call = time_ms(lambda: be.linear(x, w))
+            cublas_call = time_ms(lambda: torch.matmul(x_torch, w_torch.T))
             out[f"{name}_t{t}"] = {"memra_ms": ours, "cublas_bf16_ms": cublas, "ratio": ours / cublas,
-                                   "weight_bytes": int(w_host.nbytes)}
+                                   "memra_call_ms": ours_call, "cublas_bf16_call_ms": cublas_call,
+                                   "call_ratio": ours_call / cublas_call, "weight_bytes": int(w_host.nbytes)}
     return out
+
+
+def _median_replay_ms(replay, reps: int = 10) -> float:
+    """Median milliseconds per call of a graph of GRAPH_CALLS calls, replayed on the current stream."""
+    replay()
+    times = []
+    for _ in range(reps):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / GRAPH_CALLS)
+    return float(np.median(times))
+
+
+def cupy_graph_ms(fn) -> float:
+    fn()  # compiles and loads the kernels before the capture
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for _ in range(GRAPH_CALLS):
+            fn()
+        graph = stream.end_capture()
+    return _median_replay_ms(graph.launch)
+
+
+def torch_graph_ms(fn) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    return _median_replay_ms(graph.replay)
 
 
 PEER_TOLERANCE = 1e-4  # max relative diff for memra and a peer to count as doing the same math
@@ -159,7 +201,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     be, rng = CudaBackend(), np.random.default_rng(0)
     roof = copy_bandwidth_gbs()
-    config = {"rows": ROWS, "shapes": SHAPES, "weights": "bf16"}
+    config = {"rows": ROWS, "shapes": SHAPES, "weights": "bf16", "graph_calls": GRAPH_CALLS}
     record = record_header("bench_ops", args.git_sha, config) | {
         "copy_bandwidth_gbs": roof,
         "linear": bench_linear(be, rng), **bench_kda(be, rng), **bench_mla(be, rng),
@@ -173,7 +215,8 @@ def main(argv=None) -> int:
     card = [f"bench_ops on {record['device']}  copy bandwidth {roof:.0f} GB/s"]
     for name, v in record["linear"].items():
         card.append(f"  linear {name:<28} memra {v['memra_ms']:8.3f} ms  cuBLAS {v['cublas_bf16_ms']:8.3f} ms  "
-                    f"ratio {v['ratio']:6.2f}  {100 * v['bandwidth_fraction']:5.1f}% of copy bw")
+                    f"ratio {v['ratio']:6.2f}  {100 * v['bandwidth_fraction']:5.1f}% of copy bw  "
+                    f"(one call at a time: ratio {v['call_ratio']:5.2f})")
     for name, peer in peers.items():
         card.append(peer_card(name, record[name], peer))
     emit(record, card, args.out)

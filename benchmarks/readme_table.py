@@ -19,7 +19,8 @@ def _head(path: str, r: dict) -> str:
 
 def ops(path: str, r: dict) -> list[str]:
     rows = r["config"]["rows"]
-    out = [_head(path, r), "", "| exact projection (in x out), time / cuBLAS bf16 | "
+    timed = "GPU time in a CUDA graph" if r["config"].get("graph_calls") else "time per call"
+    out = [_head(path, r), "", f"| exact projection (in x out), {timed} / cuBLAS bf16 | "
            + " | ".join(f"t = {t}" for t in rows) + " |", "|---" * (len(rows) + 1) + "|"]
     for name, (d_in, d_out) in r["config"]["shapes"].items():
         cells = [f"{r['linear'][f'{name}_t{t}']['ratio']:.2f}x" for t in rows]

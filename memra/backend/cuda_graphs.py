@@ -27,43 +27,47 @@ def _packed(tokens, pos0: int) -> np.ndarray:
 
 
 class CapturedWalk:
-    """One walk shape captured into a graph, with its input buffer and output arrays."""
+    """One walk shape captured into a graph, with its input buffers and output arrays."""
 
-    def __init__(self, walk, packed: np.ndarray):
+    def __init__(self, walk, packed: np.ndarray, arrays: tuple):
         self.pool = cp.cuda.MemoryPool()
         self.inputs = cp.asarray(packed)
+        self.arrays = tuple(a.copy() for a in arrays)  # device inputs, copied in before a replay
         stream = cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
         with cp.cuda.using_allocator(self.pool.malloc), stream:
             stream.begin_capture()
             try:
-                self.outputs = walk(self.inputs[1:], self.inputs[:1])
+                self.outputs = walk(self.inputs[1:], self.inputs[:1], *self.arrays)
             finally:
                 self.graph = stream.end_capture()
 
-    def replay(self, packed: np.ndarray):
+    def replay(self, packed: np.ndarray, arrays: tuple):
         self.inputs.set(packed)
-        self.graph.launch()  # on the current stream, after the upload
+        for buffer, a in zip(self.arrays, arrays):
+            cp.copyto(buffer, a)  # stream-ordered: done before the graph overwrites its outputs
+        self.graph.launch()  # on the current stream, after the uploads
         return self.outputs
 
 
 class WalkGraphs:
-    """A cache's walk runner on the CUDA backend: `run(key, walk, tokens, pos0)` returns
-    walk(device tokens, device position), replaying a graph per `key` when `enabled`.
-    key None (a prefill, whose length varies) always runs eagerly."""
+    """A cache's walk runner on the CUDA backend: `run(key, walk, tokens, pos0, *arrays)` returns
+    walk(device tokens, device position, *arrays), replaying a graph per `key` when `enabled`
+    (the key fixes the arrays' shapes). key None (a prefill, whose length varies) always runs
+    eagerly."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.seen: set = set()
         self.graphs: dict = {}
 
-    def run(self, key, walk, tokens, pos0: int):
+    def run(self, key, walk, tokens, pos0: int, *arrays):
         packed = _packed(tokens, pos0)
         if key is None or not self.enabled or key not in self.seen:
             if key is not None:
                 self.seen.add(key)
             inputs = cp.asarray(packed)
-            return walk(inputs[1:], inputs[:1])
+            return walk(inputs[1:], inputs[:1], *arrays)
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self.graphs[key] = CapturedWalk(walk, packed)
-        return captured.replay(packed)
+            captured = self.graphs[key] = CapturedWalk(walk, packed, arrays)
+        return captured.replay(packed, arrays)

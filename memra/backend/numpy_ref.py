@@ -364,12 +364,13 @@ class NumpyBackend:
 
 
 class EagerWalks:
-    """Runs every walk as it comes: `run(key, walk, tokens, pos0)` = walk(tokens, position)."""
+    """Runs every walk as it comes: `run(key, walk, tokens, pos0, *arrays)` =
+    walk(tokens, position, *arrays)."""
 
     enabled = False  # nothing to capture (the CUDA runner's switch, for callers that flip it)
 
     def __init__(self, be):
         self.be = be
 
-    def run(self, key, walk, tokens: np.ndarray, pos0: int):
-        return walk(tokens, self.be.position(pos0))
+    def run(self, key, walk, tokens: np.ndarray, pos0: int, *arrays):
+        return walk(tokens, self.be.position(pos0), *arrays)

@@ -70,6 +70,7 @@ class NativeMtpState:
         self.drafter = drafter
         mtp = drafter.model.mtp
         self.plane = mtp.new_plane(start.max_ctx)
+        self.walks = drafter.model.be.walks()  # on cuda: the draft steps replay CUDA graphs
         prompt = np.asarray(start.prompt, dtype=np.int64)
         # warm: pairs (prompt[i+1], h_i) at plane positions 0..plen-2; only the plane matters
         mtp.warm(prompt[1:], start.collapsed[:-1], self.plane, 0)
@@ -80,8 +81,9 @@ class NativeMtpState:
     def _step(self, tokens, h):
         d = self.drafter
         mtp, be = d.model.mtp, d.model.be
-        logits, carrier = mtp(np.asarray(tokens, dtype=np.int64), h, self.plane, self.plane.length, d.head)
-        return be.to_host(logits[-1]), carrier[-1:]
+        logits, carrier = mtp(np.asarray(tokens, dtype=np.int64), h, self.plane, self.plane.length, d.head,
+                              walks=self.walks)
+        return be.to_host(logits[-1]), carrier[-1:]  # the carrier feeds the next step before any replay
 
     def propose(self, k: int, sampling=None) -> Proposal:
         """K chained drafts: greedy argmaxes, or (sampling) draws from the filtered draft

@@ -29,25 +29,39 @@ class MtpBlock:
     def new_plane(self, max_ctx: int):
         return self.attn.new_plane(max_ctx)
 
-    def __call__(self, next_tokens, h, plane, pos0: int, head=None):
+    def __call__(self, next_tokens, h, plane, pos0: int, head=None, walks=None):
         """Rows (tok_{i+1}, h_i) at positions pos0.. -> (logits [t, V], carrier [t, D]).
-        `head` replaces the trunk lm head (an FR-Spec trim projects through fewer rows)."""
+        `head` replaces the trunk lm head (an FR-Spec trim projects through fewer rows).
+        `walks` (a runner from be.walks(), one per plane) replays a captured graph per row
+        count; its outputs are then the graph's buffers, overwritten by the next replay."""
+        pool, t = self.cfg.index_kpool, len(next_tokens)
+        plane.check(pos0, pool, self.name)
+        rows = lambda tok, at, h_rows: self._rows(tok, h_rows, plane, at, head)
+        if walks is None:
+            out = rows(next_tokens, self.be.position(pos0), h)
+        else:
+            out = walks.run((t,), rows, next_tokens, pos0, h)
+        plane.advance(pos0 + t, pool)
+        return out
+
+    def warm(self, next_tokens, h, plane, pos0: int) -> None:
+        """Fill the plane's rows for these pairs; the rest of the block only feeds logits."""
+        pool = self.cfg.index_kpool
+        plane.check(pos0, pool, self.name)
+        self._attend(next_tokens, h, plane, self.be.position(pos0))
+        plane.advance(pos0 + len(next_tokens), pool)
+
+    def _rows(self, next_tokens, h, plane, at, head):
         be, eps = self.be, self.cfg.rms_norm_eps
-        z, a = self._attend(next_tokens, h, plane, pos0)
+        z, a = self._attend(next_tokens, h, plane, at)
         z = z + a
         z = z + self.mlp(be.rmsnorm(z, self.post_norm, eps))
         logits = be.linear(be.rmsnorm(z, self.head_norm, eps), self.lm_head if head is None else head)
         return logits, z
 
-    def warm(self, next_tokens, h, plane, pos0: int) -> None:
-        """Fill the plane's rows for these pairs; the rest of the block only feeds logits."""
-        self._attend(next_tokens, h, plane, pos0)
-
-    def _attend(self, next_tokens, h, plane, pos0: int):
-        be, eps, pool = self.be, self.cfg.rms_norm_eps, self.cfg.index_kpool
-        plane.check(pos0, pool, self.name)
+    def _attend(self, next_tokens, h, plane, at):
+        be, eps = self.be, self.cfg.rms_norm_eps
         e = be.rmsnorm(be.embed(self.embed, next_tokens), self.enorm, eps)
         z = be.linear(be.concat([e, be.rmsnorm(h, self.hnorm, eps)], axis=-1), self.eh_proj)
-        a, _ = self.attn(be.rmsnorm(z, self.in_norm, eps), plane, be.position(pos0), None)
-        plane.advance(pos0 + z.shape[0], pool)
+        a, _ = self.attn(be.rmsnorm(z, self.in_norm, eps), plane, at, None)
         return z, a

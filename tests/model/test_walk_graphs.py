@@ -129,3 +129,26 @@ def test_red_arm_a_replay_at_a_stale_position_breaks_the_identity(model):
     stale = _greedy(model, [(_cache(model, True, walks=KeepsTheCapturedPosition()), prompt)])[0]
     assert np.array_equal(eager[:3], stale[:3])  # eager, eager-before-capture, capture
     assert not _same(eager, stale)
+
+
+def test_replayed_mtp_draft_steps_are_the_eager_ones(model):
+    """The native-mtp draft chain: a first step of 3 rows, then t = 1 steps fed their own carrier
+    (eager, capture, replays), on a graph runner and without one: the same bits throughout."""
+    if model.mtp is None:
+        pytest.skip("this preset has no MTP block")
+    prompt = _prompt(model, 12, 4)
+    cache = model.new_cache(64)
+    _, collapsed, _ = model.prime_rows(prompt, cache)
+    runs = {}
+    for walks in (None, WalkGraphs()):
+        plane = model.mtp.new_plane(64)
+        model.mtp.warm(prompt[1:9], collapsed[:8], plane, 0)
+        tokens, h, out = prompt[9:12], collapsed[8:11], []
+        for step in range(6):
+            logits, carrier = model.mtp(tokens, h, plane, plane.length, walks=walks)
+            out.append((cp.asnumpy(logits), cp.asnumpy(carrier)))
+            tokens, h = [int(np.argmax(out[-1][0][-1]))], carrier[-1:]
+        runs[walks is None] = out
+        if walks is not None:
+            assert set(walks.graphs) == {(1,)}  # the 3-row step ran once: eager only
+    assert _same(tuple(runs[True]), tuple(runs[False]))

@@ -8,7 +8,8 @@ All ops are exact class (DESIGN.md section 2): the kernels in kernels_cu/dense.c
 fix each output's reduction order independently of the row count, so row r of a t-row call is
 bit-identical to the row alone. Projection weights may be float32 (CUDA cores) or raw bf16 bits
 (uint16: tensor cores on exact bf16 pieces of the activations, kernels_cu/exact_mma.cuh); each
-weight is read once per call for all rows (up to 16).
+weight is read once per call for all rows (up to 16). A bf16 projection whose outputs fill few
+blocks splits its in-features into fixed slices summed in order (`split_k`, by shape only).
 
     ops = DenseOps()
     y = ops.linear(cp.asarray(x, cp.float32), w_bf16)   # x [t, in], w [out, in] -> [t, out]

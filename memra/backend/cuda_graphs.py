@@ -7,7 +7,8 @@ walk shape serves every later step of that shape: write the inputs into the grap
 launch the graph. The graph runs the very kernels the eager walk runs, on the same arguments, so
 its results are the eager walk's bits (tests/model/test_walk_graphs.py holds it to that).
 
-The graphs are per cache, because they hold that cache's state planes by address. The first walk
+The graphs are per cache (and per native-MTP draft session, whose steps also take the carrier
+rows as a device input), because they hold that cache's state planes by address. The first walk
 of a shape runs eagerly, which compiles and loads every kernel it needs. The second is captured
 on a private stream, with a private memory pool, so the graph's intermediates are never handed
 to other work, and then launched. Later walks of the shape replay it. A replay's outputs are the

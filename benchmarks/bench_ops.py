@@ -55,18 +55,9 @@ def bench_linear(be, rng) -> dict:
     return out
 
 
-def _median_replay_ms(replay, reps: int = 10) -> float:
+def _per_call_ms(replay) -> float:
     """Median milliseconds per call of a graph of GRAPH_CALLS calls, replayed on the current stream."""
-    replay()
-    times = []
-    for _ in range(reps):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / GRAPH_CALLS)
-    return float(np.median(times))
+    return time_ms(replay, reps=10, warmup=1) / GRAPH_CALLS
 
 
 def cupy_graph_ms(fn) -> float:
@@ -77,7 +68,7 @@ def cupy_graph_ms(fn) -> float:
         for _ in range(GRAPH_CALLS):
             fn()
         graph = stream.end_capture()
-    return _median_replay_ms(graph.launch)
+    return _per_call_ms(graph.launch)
 
 
 def torch_graph_ms(fn) -> float:
@@ -89,7 +80,7 @@ def torch_graph_ms(fn) -> float:
     with torch.cuda.graph(graph):
         for _ in range(GRAPH_CALLS):
             fn()
-    return _median_replay_ms(graph.replay)
+    return _per_call_ms(graph.replay)
 
 
 PEER_TOLERANCE = 1e-4  # max relative diff for memra and a peer to count as doing the same math

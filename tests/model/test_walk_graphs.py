@@ -21,6 +21,7 @@ cp = cupy_or_skip()
 
 from memra import load_model  # noqa: E402
 from memra.backend.cuda_graphs import WalkGraphs  # noqa: E402
+from tests.spec.battery import live_state  # noqa: E402
 
 STEPS = 40  # from position 9: ten pool boundaries (P = 4) and the dense -> sparse switch
 
@@ -48,19 +49,6 @@ def _greedy(model, caches_prompts, steps=STEPS):
         for (cache, _), out in zip(caches_prompts, logits):
             out.append(model.decode_step(int(np.argmax(out[-1])), cache))
     return [np.stack(out) for out in logits]
-
-
-def _planes(model, cache) -> dict:
-    out = {"pos": cache.pos}
-    for i, st in cache.kda.items():
-        out[f"kda{i}"] = (cp.asnumpy(st.ring), cp.asnumpy(st.state))
-    for i, plane in cache.mla.items():
-        n = plane.length
-        out[f"mla{i}"] = (n, plane.pools_ready, cp.asnumpy(plane.latent[:n]))
-        if plane.pool_keys is not None:
-            out[f"idx{i}"] = (cp.asnumpy(plane.index_keys[:n]), cp.asnumpy(plane.index_gates[:n]),
-                              cp.asnumpy(plane.pool_keys[:plane.pools_ready]))
-    return out
 
 
 def _same(a, b) -> bool:
@@ -105,7 +93,7 @@ def test_replayed_verify_walks_and_their_rollbacks_are_the_eager_ones(model, t):
             logits, collapsed, ckpt = model.verify_rows(tokens, cache, tap_layers=tap)
             rounds.append((logits, cp.asnumpy(collapsed), cp.asnumpy(ckpt.taps[1])))
             model.rollback(cache, ckpt, keep)
-            rounds.append(_planes(model, cache))
+            rounds.append(live_state(model, cache))
         runs[graphs] = rounds
         if graphs:
             assert (t, True, tap) in cache.walks.graphs

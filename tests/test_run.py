@@ -99,6 +99,28 @@ def test_a_terminal_sees_control_bytes_escaped_and_a_pipe_gets_them_raw():
         assert out.getvalue() == expect
 
 
+class _InterruptedAtFlush(io.StringIO):
+    """Ctrl-C arriving just after the text reached the pipe (inside flush)."""
+
+    def __init__(self):
+        super().__init__()
+        self.interrupt = True
+
+    def flush(self):
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_inside_a_write_still_ends_the_line():
+    out = _InterruptedAtFlush()
+    printer = TextPrinter(out, ByteTokenizer(), [])
+    with pytest.raises(KeyboardInterrupt):
+        printer.push(list(b"ab"))
+    printer.finish()
+    assert out.getvalue() == "ab\n"
+
+
 def test_the_progress_line_needs_stderr_on_a_terminal_and_stdout_elsewhere(monkeypatch):
     monkeypatch.setattr(Progress, "DELAY_S", 0.0)
     monkeypatch.setattr(Progress, "EVERY_S", 0.0)

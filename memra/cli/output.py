@@ -53,9 +53,10 @@ class TextPrinter:
     def _write(self, text: str) -> None:
         if not text:
             return
+        # first: a Ctrl-C landing in the write or flush must still leave finish() ending the line
+        self.at_line_start = text.endswith("\n")
         self.out.write(_visible(text) if self.terminal else text)
         self.out.flush()
-        self.at_line_start = text.endswith("\n")
 
 
 class Progress:

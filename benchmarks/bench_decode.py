@@ -3,15 +3,16 @@
     python benchmarks/bench_decode.py --preset bench --backend cuda --git-sha SHA \
         [--out F] [--steps 32] [--context 512] [--prompt-lens 512,4096]
 
-Measures, in one run: device copy bandwidth (cuda only: the roof); prefill tokens/s for each
+Measures, in one run: device copy bandwidth (the roof; none for numpy's host arrays); prefill tokens/s for each
 prompt length (model.prime on a fresh cache, random ids; one short warmup prime first, so kernel
 compilation is excluded); plain greedy decode after a --context-token prime: ms/step, tokens/s,
 the weight bytes a step reads (trunk arrays, the num_experts_per_tok routed experts each MoE layer
 reads plus its shared expert, the lm head, one embedding row; not the MTP block) and its fraction
 of the copy bandwidth, the state bytes it reads (reported apart), memra kernel launches per step
 and the host's share of a step (its wall time minus the time blocked waiting for the logits).
-On cuda the decode runs twice on one cache: eager launches, then CUDA graph replay (the default;
-the headline numbers), and the host share of a replayed step is the launch overhead left.
+Where the cache's walk runner captures graphs (cuda), the decode runs twice on one cache: eager
+launches, then graph replay (the default; the headline numbers), and the host share of a
+replayed step is the launch overhead left.
 Prints a card on stderr and ONE JSON line on stdout.
 """
 
@@ -29,22 +30,22 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_decode.py`: `be
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    WARMUP_STEPS, bandwidth_fraction, build_model, copy_bandwidth_gbs, counted_launches, emit,
-    greedy_steps, int_list, model_args, model_config, moe_layer_count, prime_context, random_tokens,
-    record_header, state_bytes, timed_call, weight_bytes,
+    WARMUP_STEPS, bandwidth_fraction, build_model, counted_launches, emit, greedy_steps, int_list,
+    model_args, model_config, moe_layer_count, prime_context, random_tokens, record_header, roof_gbs,
+    state_bytes, timed_call, weight_bytes,
 )
 
 WARMUP_PROMPT = 32   # tokens of the untimed prime that compiles every kernel family
 COUNTED_STEPS = 4    # eager decode steps run again with launches counted (counting slows the host)
 
 
-def prefill(model, lengths: list[int], seed: int, cuda: bool) -> dict:
+def prefill(model, lengths: list[int], seed: int) -> dict:
     warm = min(WARMUP_PROMPT, *lengths)
     model.prime(random_tokens(model.cfg, warm, seed), model.new_cache(warm))
     out = {}
     for n in lengths:
         tokens, cache = random_tokens(model.cfg, n, seed), model.new_cache(n)
-        ms, _ = timed_call(partial(model.prime, tokens, cache), cuda)
+        ms, _ = timed_call(partial(model.prime, tokens, cache), model.be)
         out[f"prompt_{n}"] = {"tokens": n, "ms": ms, "tokens_per_s": n / ms * 1e3}
     return out
 
@@ -68,13 +69,13 @@ def blocked_on_logits(be):
         del be.to_host
 
 
-def timed_steps(model, cache, token: int, steps: int, cuda: bool):
+def timed_steps(model, cache, token: int, steps: int):
     """Greedy steps after WARMUP_STEPS untimed ones (with graphs: the eager first walk and the
     capture) -> (timing dict, next token)."""
-    _, token = greedy_steps(model, cache, token, WARMUP_STEPS, cuda)
+    _, token = greedy_steps(model, cache, token, WARMUP_STEPS)
     with blocked_on_logits(model.be) as blocked:
         wall = time.perf_counter()
-        times, token = greedy_steps(model, cache, token, steps, cuda)
+        times, token = greedy_steps(model, cache, token, steps)
         wall = time.perf_counter() - wall
     ms = float(np.median(times))
     host_ms = (wall - blocked[0]) * 1e3 / steps
@@ -83,18 +84,18 @@ def timed_steps(model, cache, token: int, steps: int, cuda: bool):
             "host_share": host_ms / ms}, token
 
 
-def decode(model, args, roof: float | None, cuda: bool) -> dict:
-    modes = ("eager", "graph") if cuda else ("eager",)
-    room = len(modes) * (WARMUP_STEPS + args.steps) + COUNTED_STEPS
+def decode(model, args, roof: float | None) -> dict:
+    room = 2 * (WARMUP_STEPS + args.steps) + COUNTED_STEPS
     cache, token = prime_context(model, args.context, room, args.seed)
+    modes = ("eager", "graph") if cache.walks.enabled else ("eager",)  # a runner that captures graphs
     runs = {}
     for mode in modes:
         cache.walks.enabled = mode == "graph"
-        runs[mode], token = timed_steps(model, cache, token, args.steps, cuda)
+        runs[mode], token = timed_steps(model, cache, token, args.steps)
     state = state_bytes(model, cache, rows=1)
     cache.walks.enabled = False  # a replayed graph launches nothing through `launch`
     with counted_launches() as launches:
-        greedy_steps(model, cache, token, COUNTED_STEPS, cuda)
+        greedy_steps(model, cache, token, COUNTED_STEPS)
     # t = 1: the k experts a row picks are distinct, so k per MoE layer is exact
     weights = weight_bytes(model, [model.cfg.num_experts_per_tok] * moe_layer_count(model), rows=1)
     head = runs[modes[-1]]
@@ -139,13 +140,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-lens", type=int_list, default=[512, 4096], help="prefill lengths, e.g. 512,4096")
     args = ap.parse_args(argv)
     model = build_model(args.preset, args.backend, args.seed)
-    cuda = args.backend == "cuda"
-    roof = copy_bandwidth_gbs() if cuda else None
+    roof = roof_gbs(model.be)
     config = model_config(args, model, prompt_lens=args.prompt_lens)
-    record = record_header("bench_decode", args.git_sha, config, args.backend) | {
+    record = record_header("bench_decode", args.git_sha, config, model.be) | {
         "copy_bandwidth_gbs": roof,
-        "prefill": prefill(model, args.prompt_lens, args.seed, cuda),
-        "decode": decode(model, args, roof, cuda),
+        "prefill": prefill(model, args.prompt_lens, args.seed),
+        "decode": decode(model, args, roof),
     }
     emit(record, card(record), args.out)
     return 0

@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     be, rng = CudaBackend(), np.random.default_rng(0)
     roof = copy_bandwidth_gbs()
     config = {"rows": ROWS, "shapes": SHAPES, "weights": "bf16", "graph_calls": GRAPH_CALLS}
-    record = record_header("bench_ops", args.git_sha, config) | {
+    record = record_header("bench_ops", args.git_sha, config, be) | {
         "copy_bandwidth_gbs": roof,
         "linear": bench_linear(be, rng), **bench_kda(be, rng), **bench_mla(be, rng),
     }

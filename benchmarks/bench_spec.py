@@ -5,7 +5,7 @@ and against the analytic bound.
         [--out F] [--steps 32] [--context 512] [--alphas 0.5,0.7,0.9,1.0] [--ks 1,3,5,7] [--reps 10]
 
 Greedy only. After a --context-token prompt: the plain greedy tape and plain tokens/s; for each K
-the verify time of K+1 rows (median of --reps walks, each undone) and the real per-round draft
+the verify time of K+1 rows (median of --reps walks, each rewound) and the real per-round draft
 cost of native-mtp (when the preset has an MTP block) and of a dflash2 fixture drafter built for
 the preset (median propose() time over a real session of --steps tokens). Then for each (alpha, K)
 a session drafted by `TapeSource` (the tape's next K tokens, each corrupted with
@@ -35,13 +35,14 @@ from benchmarks.common import (  # noqa: E402
     record_header, timed_call, verify_times,
 )
 from memra.config import preset  # noqa: E402
-from memra.drafters.base import Proposal  # noqa: E402
 from memra.drafters.dflash2 import DFlash2Source  # noqa: E402
 from memra.drafters.dflash2.fixture import write_fixture_drafter  # noqa: E402
 from memra.drafters.native_mtp import NativeMtpSource  # noqa: E402
 from memra.errors import MemraError  # noqa: E402
-from memra.spec.metrics import SpecMetrics  # noqa: E402
-from memra.spec.session import MAX_K, SpecSession  # noqa: E402
+from memra.limits import MAX_K  # noqa: E402
+from memra.speculative.contract import Proposal  # noqa: E402
+from memra.speculative.metrics import SpecMetrics  # noqa: E402
+from memra.speculative.session import SpecSession  # noqa: E402
 
 # the built-in sources, taken directly: a broken third-party plugin must not void their timing
 GRAPH_ROUNDS = 2  # untimed rounds per session: its verify walk runs eagerly once, then is captured
@@ -83,8 +84,8 @@ class TapeSource:
 class TimedDrafter:
     """A loaded draft source whose sessions record the milliseconds of every propose()."""
 
-    def __init__(self, inner, cuda: bool):
-        self.inner, self.cuda, self.ms = inner, cuda, []
+    def __init__(self, inner, be):
+        self.inner, self.be, self.ms = inner, be, []
         self.max_k, self.tap_layers = inner.max_k, inner.tap_layers
 
     def begin(self, start):
@@ -92,7 +93,7 @@ class TimedDrafter:
         propose = state.propose
 
         def timed(k, sampling=None):
-            ms, proposal = timed_call(partial(propose, k, sampling), self.cuda)
+            ms, proposal = timed_call(partial(propose, k, sampling), self.be)
             self.ms.append(ms)
             return proposal
 
@@ -100,7 +101,7 @@ class TimedDrafter:
         return state
 
 
-def spec_run(model, prompt, drafter, tape: list[int], steps: int, k: int, cuda: bool):
+def spec_run(model, prompt, drafter, tape: list[int], steps: int, k: int):
     """One greedy session: GRAPH_ROUNDS untimed rounds (the session's cache runs its verify walk
     eagerly once, then captures it), then a timed burst of at least `steps` tokens -> (ms of the
     burst, SpecMetrics of its rounds); raises unless the session's output is the plain tape."""
@@ -109,7 +110,7 @@ def spec_run(model, prompt, drafter, tape: list[int], steps: int, k: int, cuda: 
     while session.metrics.rounds < GRAPH_ROUNDS:
         out += session.burst(1, k)[0]
     session.metrics = SpecMetrics()
-    ms, (more, _, _) = timed_call(partial(session.burst, steps, k), cuda)
+    ms, (more, _, _) = timed_call(partial(session.burst, steps, k), model.be)
     out += more
     if out != tape[:len(out)]:
         at = next(i for i, (a, b) in enumerate(zip(out, tape)) if a != b)
@@ -118,7 +119,7 @@ def spec_run(model, prompt, drafter, tape: list[int], steps: int, k: int, cuda: 
     return ms, session.metrics
 
 
-def draft_costs(model, prompt, tape: list[int], args, cuda: bool) -> tuple[dict, dict]:
+def draft_costs(model, prompt, tape: list[int], args) -> tuple[dict, dict]:
     """Per source: {"K": median ms of one propose(K)} (or None where it cannot draft K), or None;
     and the reason for each None source."""
     costs, reasons = {}, {}
@@ -134,9 +135,9 @@ def draft_costs(model, prompt, tape: list[int], args, cuda: bool) -> tuple[dict,
                 continue
             costs[name] = {}
             for k in args.ks:
-                timed = TimedDrafter(drafter, cuda)
+                timed = TimedDrafter(drafter, model.be)
                 if k <= timed.max_k:
-                    spec_run(model, prompt, timed, tape, args.steps, k, cuda)
+                    spec_run(model, prompt, timed, tape, args.steps, k)
                 costs[name][str(k)] = float(np.median(timed.ms)) if timed.ms else None
     return costs, reasons
 
@@ -146,9 +147,9 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(k + 1) if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def point(model, prompt, tape, alpha, k, verify_ms, costs, plain_tps, args, cuda) -> dict:
+def point(model, prompt, tape, alpha, k, verify_ms, costs, plain_tps, args) -> dict:
     source = TapeSource(tape, alpha, model.cfg.vocab_size, args.seed + k)
-    ms, m = spec_run(model, prompt, source, tape, args.steps, k, cuda)
+    ms, m = spec_run(model, prompt, source, tape, args.steps, k)
     tokens = m.rounds + m.num_accepted_tokens  # what the timed rounds committed
     tps, e = tokens / ms * 1e3, expected_tokens(alpha, k)
     with_cost = {}
@@ -196,24 +197,23 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10, help="timed verify walks per K")
     args = ap.parse_args(argv)
     model = build_model(args.preset, args.backend, args.seed)
-    cuda = args.backend == "cuda"
     # the tape covers a burst's overshoot (up to K tokens past --steps) so drafts never run out
     room = WARMUP_STEPS + args.steps + (GRAPH_ROUNDS + 1) * (max(args.ks) + 1)
     cache, anchor = prime_context(model, args.context, room, args.seed)
     tape: list[int] = []
-    times, last = greedy_steps(model, cache, anchor, room, cuda, tape)
+    times, last = greedy_steps(model, cache, anchor, room, tape)
     tape.append(last)
     plain_ms = float(np.median(times[WARMUP_STEPS:]))
     plain = {"ms_per_step": plain_ms, "tokens_per_s": 1e3 / plain_ms}
     cache, _ = prime_context(model, args.context, max(args.ks) + 1, args.seed)
-    verify = {k: float(np.median(verify_times(model, cache, tape[:k + 1], args.reps, cuda)[0])) for k in args.ks}
+    verify = {k: float(np.median(verify_times(model, cache, tape[:k + 1], args.reps)[0])) for k in args.ks}
     prompt = random_tokens(model.cfg, args.context, args.seed)
-    costs, reasons = draft_costs(model, prompt, tape, args, cuda)
-    spec = [point(model, prompt, tape, a, k, verify[k], costs, plain["tokens_per_s"], args, cuda)
+    costs, reasons = draft_costs(model, prompt, tape, args)
+    spec = [point(model, prompt, tape, a, k, verify[k], costs, plain["tokens_per_s"], args)
             for k in args.ks for a in args.alphas]
     config = model_config(args, model, alphas=args.alphas, ks=args.ks, reps=args.reps,
                           dflash2_drafter="write_fixture_drafter defaults (2 layers, block 8) for the preset")
-    record = record_header("bench_spec", args.git_sha, config, args.backend) | {
+    record = record_header("bench_spec", args.git_sha, config, model.be) | {
         "plain": plain, "verify_ms": {str(k): v for k, v in verify.items()}, "draft_ms": costs,
         "draft_unavailable": reasons, "spec": spec,
     }

@@ -6,10 +6,10 @@
 After a --context-token prime, for each t in --rows: the time of model.verify_rows over t rows
 (the anchor and its greedy continuation: the rows a fully accepted round verifies), and apart
 from it the time of model.rollback(keep=1) (every draft rejected); then the walk is undone from
-its checkpoint, so every repetition starts from the same cache. Also: the ratio to a plain
+its checkpoint (model.rewind), so every repetition starts from the same cache. Also: the ratio to a plain
 decode step timed in the same run, the weight bytes the walk reads (trunk arrays once, the
 distinct routed experts its rows picked, recorded in an untimed walk; exact on bench-dense too),
-the state bytes it reads, and the fraction of the copy bandwidth (cuda only). Prints a card on
+the state bytes it reads, and the fraction of the copy bandwidth (none on numpy). Prints a card on
 stderr and ONE JSON line on stdout.
 """
 
@@ -24,31 +24,31 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_verify.py`: `be
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    WARMUP_STEPS, bandwidth_fraction, build_model, copy_bandwidth_gbs, counted_launches, emit,
-    greedy_steps, int_list, model_args, model_config, prime_context, record_header, routed_experts,
-    state_bytes, undo, verify_times, weight_bytes,
+    WARMUP_STEPS, bandwidth_fraction, build_model, counted_launches, emit, greedy_steps, int_list,
+    model_args, model_config, prime_context, record_header, roof_gbs, routed_experts, state_bytes,
+    verify_times, weight_bytes,
 )
-from memra.model.trunk import VERIFY_CAP  # noqa: E402
+from memra.limits import VERIFY_CAP  # noqa: E402
 
 
 def greedy_tape(model, cache, anchor: int, n: int) -> list[int]:
-    """The anchor and its n - 1 greedy successors, each from a walk undone at once (row r of a
+    """The anchor and its n - 1 greedy successors, each from a walk rewound at once (row r of a
     walk is the plain decode step). Runs every row count below n: the warmup."""
     tape = [anchor]
     while len(tape) < n:
         logits, _, ckpt = model.verify_rows(tape, cache)
-        undo(cache, ckpt)
+        model.rewind(cache, ckpt)
         tape.append(int(np.argmax(logits[-1])))
     return tape
 
 
-def walk(model, cache, tokens: list[int], reps: int, roof: float | None, cuda: bool) -> dict:
+def walk(model, cache, tokens: list[int], reps: int, roof: float | None) -> dict:
     graphs, cache.walks.enabled = cache.walks.enabled, False  # counted eagerly: routed_experts reads the experts back per layer
     with routed_experts(model.be) as picked, counted_launches() as launches:
         _, _, ckpt = model.verify_rows(tokens, cache)
     cache.walks.enabled = graphs
-    undo(cache, ckpt)
-    verify, rollback = verify_times(model, cache, tokens, reps, cuda)
+    model.rewind(cache, ckpt)
+    verify, rollback = verify_times(model, cache, tokens, reps)
     t, ms = len(tokens), float(np.median(verify))
     weights = weight_bytes(model, picked, rows=t)
     state = state_bytes(model, cache, rows=t, snapshot=True)
@@ -82,17 +82,16 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10, help="timed walks per row count")
     args = ap.parse_args(argv)
     model = build_model(args.preset, args.backend, args.seed)
-    cuda = args.backend == "cuda"
-    roof = copy_bandwidth_gbs() if cuda else None
+    roof = roof_gbs(model.be)
     cache, anchor = prime_context(model, args.context, VERIFY_CAP + WARMUP_STEPS + args.steps, args.seed)
     tape = greedy_tape(model, cache, anchor, max(args.rows))
-    walks = {f"t{t}": walk(model, cache, tape[:t], args.reps, roof, cuda) for t in args.rows}
-    times, _ = greedy_steps(model, cache, anchor, WARMUP_STEPS + args.steps, cuda)
+    walks = {f"t{t}": walk(model, cache, tape[:t], args.reps, roof) for t in args.rows}
+    times, _ = greedy_steps(model, cache, anchor, WARMUP_STEPS + args.steps)
     decode_ms = float(np.median(times[WARMUP_STEPS:]))
     for w in walks.values():
         w["ratio_to_decode"] = w["verify_ms"] / decode_ms
     config = model_config(args, model, rows=args.rows, reps=args.reps)
-    record = record_header("bench_verify", args.git_sha, config, args.backend) | {
+    record = record_header("bench_verify", args.git_sha, config, model.be) | {
         "copy_bandwidth_gbs": roof, "decode_ms": decode_ms, "verify": walks,
     }
     emit(record, card(record), args.out)

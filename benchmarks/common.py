@@ -2,8 +2,8 @@
 bytes a walk reads, and the record each script prints (a card on stderr, ONE JSON line on stdout).
 
     model = build_model("bench", "cuda")            # Glm5Model, bf16 weights, built in memory
-    ms, logits = timed_call(partial(model.decode_step, tok, cache), cuda=True)
-    emit(record_header("bench_x", sha, config, "cuda") | numbers, card_lines, out_path)
+    ms, logits = timed_call(partial(model.decode_step, tok, cache), model.be)
+    emit(record_header("bench_x", sha, config, model.be) | numbers, card_lines, out_path)
 
 Why the weights are built in memory, not written by `write_fixture` and loaded: the `bench` preset
 holds ~46 GB of bf16 weights, and writing and reading them back would spend the GPU host's budget
@@ -17,7 +17,9 @@ projections) are the fixture's own, bit for bit. The model then treats them as i
 checkpoint: projection matrices stay bf16 on the device (`be.matrix`), vectors, mHC weights,
 routers and the gathered embedding table are widened to float32 (`be.weight`).
 
-cupy is imported only on the cuda backend: CI runs the scripts on numpy, without it.
+The scripts ask the backend what it can do (`be.synchronize()`, `be.device_name()`, its array
+module `be.xp`), never which one it is. cupy is imported only for device arrays: CI runs the
+scripts on numpy, without it.
 """
 
 from __future__ import annotations
@@ -105,28 +107,33 @@ def prime_context(model: Glm5Model, n: int, room: int, seed: int):
 
 # ---- timing -----------------------------------------------------------------------------------
 
-def timed_call(fn, cuda: bool):
-    """(milliseconds, result) of one fn() call: CUDA events around it on the GPU, perf_counter
-    on the host."""
-    if not cuda:
-        start = time.perf_counter()
-        result = fn()
-        return (time.perf_counter() - start) * 1e3, result
+def timed_call(fn, be):
+    """(milliseconds, result) of one fn() call on backend `be`. The clock starts with no work
+    queued and stops once fn's work is done (a walk ends in a host copy of its logits anyway),
+    so a step's time is its device time plus the host's launch work."""
+    be.synchronize()
+    start = time.perf_counter()
+    result = fn()
+    be.synchronize()
+    return (time.perf_counter() - start) * 1e3, result
+
+
+def time_ms(fn, reps: int = 50, warmup: int = 5) -> float:
+    """Median GPU milliseconds of fn() between CUDA events, over reps after `warmup` untimed
+    calls: one kernel's time, without the host synchronisation timed_call pays (CUDA only)."""
     import cupy as cp
 
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    result = fn()
-    end.record()
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end), result
-
-
-def time_ms(fn, reps: int = 50, warmup: int = 5, cuda: bool = True) -> float:
-    """Median milliseconds of fn() over reps, after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
-    return float(np.median([timed_call(fn, cuda)[0] for _ in range(reps)]))
+    times = []
+    for _ in range(reps):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end))
+    return float(np.median(times))
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
@@ -139,48 +146,43 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def greedy_steps(model: Glm5Model, cache, token: int, steps: int, cuda: bool, tape: list | None = None):
+def roof_gbs(be) -> float | None:
+    """The bandwidth a walk is held against: the device's copy bandwidth, or None for a backend
+    whose arrays are host numpy arrays (no device memory to measure)."""
+    return None if be.xp is np else copy_bandwidth_gbs()
+
+
+def greedy_steps(model: Glm5Model, cache, token: int, steps: int, tape: list | None = None):
     """`steps` plain decode steps, each fed the previous argmax -> (ms of each step, next token).
     With `tape`, every token fed is appended to it."""
     times = []
     for _ in range(steps):
         if tape is not None:
             tape.append(token)
-        ms, logits = timed_call(functools.partial(model.decode_step, token, cache), cuda)
+        ms, logits = timed_call(functools.partial(model.decode_step, token, cache), model.be)
         times.append(ms)
         token = int(np.argmax(logits))
     return times, token
 
 
-def undo(cache, ckpt) -> None:
-    """Put the cache back where the checkpoint's verify walk found it (keep=0, which rollback
-    refuses: a round always keeps its anchor row), from the checkpoint's own snapshots."""
-    for i, st in cache.kda.items():
-        st.ring[...] = ckpt.kda[i]["ring"]
-        st.state[...] = ckpt.kda[i]["state"]
-    for i, plane in cache.mla.items():
-        plane.truncate(ckpt.latent_len[i], cache.config.index_kpool)
-    cache.pos = ckpt.pos
-
-
-def verify_times(model: Glm5Model, cache, tokens: list[int], reps: int, cuda: bool):
-    """`reps` verify walks of `tokens` at cache.pos, each followed by rollback(keep=1) and undone
-    -> (ms of each verify, ms of each rollback). The cache ends where it started."""
+def verify_times(model: Glm5Model, cache, tokens: list[int], reps: int):
+    """`reps` verify walks of `tokens` at cache.pos, each followed by rollback(keep=1) and
+    rewound -> (ms of each verify, ms of each rollback). The cache ends where it started."""
     verify, rollback = [], []
     for _ in range(reps):
-        ms, (_, _, ckpt) = timed_call(functools.partial(model.verify_rows, tokens, cache), cuda)
+        ms, (_, _, ckpt) = timed_call(functools.partial(model.verify_rows, tokens, cache), model.be)
         verify.append(ms)
-        rollback.append(timed_call(functools.partial(model.rollback, cache, ckpt, 1), cuda)[0])
-        undo(cache, ckpt)
+        rollback.append(timed_call(functools.partial(model.rollback, cache, ckpt, 1), model.be)[0])
+        model.rewind(cache, ckpt)
     return verify, rollback
 
 
 @contextlib.contextmanager
 def counted_launches():
     """Count memra kernel launches by "family.kernel", by wrapping `launch` where each
-    memra.backend.cuda_* module imported it. Yields None on a backend without kernels. CuPy's own
+    memra.backend.cuda.* module imported it. Yields None on a backend without kernels. CuPy's own
     elementwise and copy kernels do not go through `launch` and are not counted."""
-    runtime = sys.modules.get("memra.backend.cuda_runtime")
+    runtime = sys.modules.get("memra.backend.cuda.runtime")
     if runtime is None:
         yield None
         return
@@ -191,7 +193,7 @@ def counted_launches():
         return inner(family, name, *args, **kwargs)
 
     modules = [m for n, m in list(sys.modules.items())
-               if n.startswith("memra.backend.cuda_") and getattr(m, "launch", None) is inner]
+               if n.startswith("memra.backend.cuda.") and getattr(m, "launch", None) is inner]
     for m in modules:
         m.launch = counting
     try:
@@ -332,18 +334,10 @@ def model_config(args, model: Glm5Model, **extra) -> dict:
             "model": model.cfg.to_dict()}
 
 
-def device_name(backend: str) -> str:
-    if backend != "cuda":
-        return "cpu"
-    import cupy as cp
-
-    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
-
-
-def record_header(bench: str, git_sha: str, config: dict, backend: str = "cuda") -> dict:
-    """The head of every record: what ran, where, when, on which commit."""
+def record_header(bench: str, git_sha: str, config: dict, be) -> dict:
+    """The head of every record: what ran, where (backend `be`'s device), when, on which commit."""
     return {"bench": bench, "git_sha": git_sha, "date": datetime.date.today().isoformat(),
-            "device": device_name(backend), "config": config}
+            "device": be.device_name(), "config": config}
 
 
 def emit(record: dict, card_lines: list[str], out_path: str | None = None) -> None:

@@ -17,7 +17,7 @@ from memra.config import ModelConfig, load_config, preset
 from memra.drafters.hookspecs import hookimpl
 from memra.errors import MemraError
 from memra.generate import GenerateResult, generate
-from memra.spec.sampling import SamplingParams
+from memra.speculative.sampling import SamplingParams
 
 __all__ = ["load_config", "load_model", "generate", "GenerateResult", "SamplingParams", "preset", "ModelConfig", "MemraError",
            "errors", "hookimpl"]

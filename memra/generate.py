@@ -1,7 +1,8 @@
-"""Generation: plain greedy decoding (the reference tape) and speculative greedy decoding.
+"""Generation, plain (the reference tape) or speculative, greedy or sampled.
 
     result = generate(model, prompt_ids, 64, draft="native-mtp", num_draft_tokens=4)
     result.tokens, result.stats["mean_acceptance_length"], result.stats["decode_s"]
+    plain = generate(model, prompt_ids, 64).tokens      # the tape every draft source must match
 
 With any draft source the tokens equal the plain greedy tokens byte for byte. `on_tokens`
 streams: it is called as tokens are committed, which never changes which tokens come.
@@ -15,8 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memra.errors import InputError
-from memra.spec.metrics import SpecMetrics
-from memra.spec.sampling import SampleStreams, SamplingParams, filtered_probs, refuse_penalties
+from memra.limits import spec_context
+from memra.model.tokens import check_token_ids
+from memra.speculative.metrics import SpecMetrics
+from memra.speculative.sampling import SampleStreams, SamplingParams, filtered_probs, refuse_penalties
 
 
 @dataclass
@@ -25,28 +28,13 @@ class GenerateResult:
     stats: dict = field(default_factory=dict)
 
 
-def greedy(model, prompt_ids, max_new_tokens: int, eos_ids=(), max_ctx: int | None = None) -> list[int]:
-    """Prime on the prompt, then take the argmax (lowest index on ties) step by step.
-
-    Stops after max_new_tokens or at the first token in eos_ids (which is kept).
-    """
-    _check_count(max_new_tokens)
-    return _plain(model, prompt_ids, max_new_tokens, _argmax, eos_ids, max_ctx)[0]
-
-
-def sampled(model, prompt_ids, max_new_tokens: int, sampling: SamplingParams, eos_ids=()) -> list[int]:
-    """Plain sampled decoding: each token drawn from the filtered target distribution, on the
-    same Philox draw stream (counter sctr) a speculative session uses."""
-    _check_count(max_new_tokens)
-    refuse_penalties(sampling)
-    return _plain(model, prompt_ids, max_new_tokens, _sampler(model, sampling), eos_ids)[0]
-
-
 def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, num_draft_tokens: int = 4,
              draft_options: dict | None = None, sampling=None, eos=(), p_min: float = 0.0,
              pmin0: bool = False, on_tokens=None) -> GenerateResult:
     """Generation, plain (draft=None) or speculative through a named draft source; greedy
-    (sampling None or temperature 0) or sampled (exact in distribution).
+    (sampling None or temperature 0: the argmax, lowest index on ties) or sampled (exact in
+    distribution; plain draws use the Philox stream a session uses). Stops after
+    max_new_tokens or at the first token in `eos` (which is kept).
 
     on_tokens(new_ids, metrics), if given, is called with each run of newly committed tokens
     (already clipped to max_new_tokens and the first EOS) and the live SpecMetrics (zero
@@ -54,7 +42,7 @@ def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, n
     and decode_s (the rest; time spent inside on_tokens is left out of both).
     """
     from memra.drafters.registry import load_drafter
-    from memra.spec.session import SpecSession
+    from memra.speculative.session import SpecSession
 
     _check_count(max_new_tokens)
     if sampling is not None and not isinstance(sampling, SamplingParams):
@@ -62,17 +50,18 @@ def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, n
     refuse_penalties(sampling)
     if sampling is not None and sampling.greedy:
         sampling = None
-    eos = tuple(int(e) for e in eos)
+    vocab = model.cfg.vocab_size
+    prompt = check_token_ids(prompt_ids, vocab, "prompt token id")
+    eos = tuple(check_token_ids(eos, vocab, "EOS id", fix="pass ids of this model's vocab", allow_empty=True))
     if draft is None:
         choose = _argmax if sampling is None else _sampler(model, sampling)
-        tokens, prefill_s, decode_s = _plain(model, prompt_ids, max_new_tokens, choose, eos, None, on_tokens)
+        tokens, prefill_s, decode_s = _plain(model, prompt, max_new_tokens, choose, eos, on_tokens)
         return GenerateResult(tokens, _stats(SpecMetrics(), prefill_s, decode_s))
     drafter = load_drafter(draft, model, draft_options)
-    prompt = [int(t) for t in prompt_ids]
     out: list[int] = []
     if max_new_tokens == 0:
         return GenerateResult(out, _stats(SpecMetrics(), 0.0, 0.0))
-    max_ctx = len(prompt) + max_new_tokens + num_draft_tokens + 8
+    max_ctx = spec_context(len(prompt), max_new_tokens, num_draft_tokens)
     clock = _Clock(on_tokens)
     session = SpecSession(model, prompt, drafter, max_ctx, p_min=p_min, pmin0=pmin0, sampling=sampling)
     prefill_s = clock.lap()
@@ -91,15 +80,14 @@ def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, n
     return GenerateResult(_clip(out, max_new_tokens, eos), _stats(session.metrics, prefill_s, clock.lap()))
 
 
-def _plain(model, prompt_ids, max_new_tokens: int, choose, eos_ids, max_ctx=None, on_tokens=None):
+def _plain(model, prompt: list[int], max_new_tokens: int, choose, eos_ids, on_tokens=None):
     """Plain decoding with `choose(logits) -> token`; returns (tokens, prefill_s, decode_s)."""
-    prompt = list(prompt_ids)
     out: list[int] = []
     if max_new_tokens == 0:
         return out, 0.0, 0.0
     clock = _Clock(on_tokens)
     metrics = SpecMetrics()
-    cache = model.new_cache(max_ctx or len(prompt) + max_new_tokens)
+    cache = model.new_cache(len(prompt) + max_new_tokens)
     token = choose(model.prime(prompt, cache))
     prefill_s = clock.lap()
     while True:

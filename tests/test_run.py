@@ -12,9 +12,9 @@ import tomllib
 
 from memra import SamplingParams, load_model
 from memra.cli.output import Progress, TextPrinter
-from memra.generate import generate, greedy
+from memra.generate import generate
 from memra.run import main
-from memra.spec.metrics import SpecMetrics
+from memra.speculative.metrics import SpecMetrics
 from memra.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,8 +26,8 @@ def mini(fixture_dir):
     return load_model(fixture_dir("mini"), backend="numpy")
 
 
-def test_greedy_takes_the_argmax_each_step(mini):
-    out = greedy(mini, [1, 2, 3], 5)
+def test_plain_greedy_generate_takes_the_argmax_each_step(mini):
+    out = generate(mini, [1, 2, 3], 5).tokens
     cache = mini.new_cache(8)
     logits = mini.prime([1, 2, 3], cache)
     for tok in out:
@@ -50,7 +50,7 @@ def test_on_tokens_streams_exactly_the_tokens_and_changes_none(mini, draft, samp
 
 @pytest.mark.parametrize("draft", [None, "native-mtp"])
 def test_streaming_stops_at_the_first_eos(mini, draft):
-    tape = greedy(mini, PROMPT, 20)
+    tape = generate(mini, PROMPT, 20).tokens
     eos = (tape[5],)
     got = []
     result = generate(mini, PROMPT, 20, draft=draft, eos=eos, on_tokens=lambda ids, m: got.extend(ids))
@@ -71,7 +71,7 @@ def test_main_in_process_prints_text_then_one_json_line(tmp_path, capsys):
     out = capsys.readouterr()
     record = json.loads(out.out.split("\n")[-2])
     model = load_model(tmp_path / "small-seed0", backend="numpy")
-    assert record["tokens"] == greedy(model, list(b"The quick brown fox"), 6)
+    assert record["tokens"] == generate(model, list(b"The quick brown fox"), 6).tokens
     assert "first run: writing the demo model" in out.err and "draft native-mtp" in out.err
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from memra.safetensors_io import bf16_to_f32
-from memra.spec.philox import TAG_DRAW, uniforms
+from memra.backend.philox import TAG_DRAW, uniforms
 
 F32 = np.float32
 
@@ -45,7 +45,22 @@ def _rmsnorm_row(x: np.ndarray, eps: float) -> np.ndarray:
 class NumpyBackend:
     """Reference implementation of the backend interface (runs everywhere, used by CI)."""
 
-    name = "numpy"
+    name = "numpy"  # a label for records and summaries; callers branch on the capabilities below
+
+    # ---- capabilities: what a caller asks instead of checking the backend's name ------------
+    xp = np  # the array module of this backend's arrays (CUDA: cupy)
+
+    # Kernels are built the first time each is launched (CUDA: NVRTC, once per process), so a
+    # caller that times a run does one short untimed run first. Nothing to build here.
+    compiles_on_first_use = False
+
+    def device_name(self) -> str:
+        """What runs the ops, for summaries and benchmark records (CUDA: the GPU's name)."""
+        return "cpu"
+
+    def synchronize(self) -> None:
+        """Wait until every op issued so far has finished (CUDA: queued device work); a timer
+        reads its clock after this. Host ops finish before they return: nothing to wait for."""
 
     # ---- memory ----------------------------------------------------------------------------
     def asarray(self, a, dtype=F32) -> np.ndarray:

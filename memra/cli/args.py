@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from memra.spec.session import MAX_K
+from memra.limits import MAX_K
 
 PROG = "python -m memra.run"
 DEMO_PROMPT = "The quick brown fox"

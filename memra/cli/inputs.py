@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from memra.cli.args import DEMO_PROMPT, UsageError
 from memra.errors import CheckpointError, ConfigError, InputError
+from memra.model.tokens import check_token_ids
 
 DEMO_PRESET = "small"
 DEMO_SEED = 0
@@ -155,16 +156,13 @@ def eos_ids(args, source: Source, cfg) -> tuple[int, ...]:
                               f"got {raw!r}; fix it or pass --eos ID")
     else:
         ids = tuple(cfg.eos_token_id)
-    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
-    if bad:
-        raise UsageError(f"EOS id {bad[0]} is outside the vocab 0..{cfg.vocab_size - 1}: pass --eos with an "
-                         "id of this model, or --ignore-eos")
-    return ids
+    return tuple(check_token_ids(ids, cfg.vocab_size, "EOS id", allow_empty=True,
+                                 fix="pass --eos with an id of this model, or --ignore-eos"))
 
 
 def sampling_params(args, source: Source):
     """SamplingParams, or None for greedy."""
-    from memra.spec.sampling import SamplingParams
+    from memra.speculative.sampling import SamplingParams
 
     gen = source.generation
     sampling = bool(gen.get("do_sample", False))

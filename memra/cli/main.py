@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from memra.cli import inputs
 from memra.cli.args import UsageError, parse_args
-from memra.cli.output import Progress, Report, TextPrinter, device_name, record, summary
+from memra.cli.output import Progress, Report, TextPrinter, record, summary
 from memra.errors import MemraError
+from memra.model.tokens import check_token_ids
 
 EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130
@@ -92,10 +93,7 @@ def _prepare(args, err) -> Job:
     cfg = model.cfg
     tokenizer = load_tokenizer(source.path, cfg.vocab_size)
     prompt = inputs.prompt_ids(args, source, tokenizer)
-    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise UsageError(f"prompt token id {bad[0]} is outside the vocab 0..{cfg.vocab_size - 1}: "
-                         "check the ids (or the tokenizer) belong to this checkpoint")
+    prompt = check_token_ids(prompt, cfg.vocab_size, "prompt token id")
     draft, draft_why = inputs.draft_choice(args, source, cfg)
     inputs.check_plain_flags(args, draft)
     if draft is not None and len(prompt) < 2:
@@ -113,7 +111,7 @@ def _run(args, out, err, held: dict) -> int:
     job = _prepare(args, err)
     spec = {"draft": job.draft, "num_draft_tokens": job.k, "draft_options": job.options, "sampling": job.sampling}
     warmup_s = 0.0
-    if job.model.be.name == "cuda":  # compile the kernels (NVRTC, once per process) outside the timed run
+    if job.model.be.compiles_on_first_use:  # build the kernels outside the timed run
         t0 = time.perf_counter()
         generate(job.model, job.prompt[:WARMUP_PROMPT], 2, **spec)
         warmup_s = time.perf_counter() - t0
@@ -136,7 +134,7 @@ def _run(args, out, err, held: dict) -> int:
             "--max-new-tokens" if len(tokens) >= job.max_new else "context full")
     rep = Report(prompt_tokens=len(job.prompt), tokens=tokens, stats=result.stats, draft=job.draft,
                  draft_why=job.draft_why, k=job.k, sampling=job.sampling, backend=job.model.be.name,
-                 device=device_name(job.model.be), model=job.source.path, demo=job.source.demo, stop=stop,
+                 device=job.model.be.device_name(), model=job.source.path, demo=job.source.demo, stop=stop,
                  load_s=job.load_s, warmup_s=warmup_s)
     print(summary(rep), file=err, flush=True)
     if args.json:

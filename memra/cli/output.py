@@ -12,7 +12,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from memra.spec.metrics import PHASES
+from memra.speculative.metrics import PHASES
 from memra.tokenizer import TextStream
 
 JSON_KEYS = ("prompt_tokens", "new_tokens", "prefill_s", "decode_s", "tokens_per_s", "draft", "num_draft_tokens_k",
@@ -183,19 +183,6 @@ def _sampling_text(sp) -> str:
     if sp.min_p > 0:
         parts.append(f"min-p {sp.min_p:g}")
     return "sampled (" + ", ".join(parts) + f", seed {sp.seed})"
-
-
-def device_name(backend) -> str:
-    if backend.name != "cuda":
-        return "cpu"
-    try:
-        import cupy
-
-        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
-        name = props["name"]
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # a name is a nicety; never fail a finished run over it
-        return "cuda"
 
 
 def _isatty(stream) -> bool:

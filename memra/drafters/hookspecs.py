@@ -22,5 +22,5 @@ def memra_register_draft_sources(register):
         `generate(..., draft=name)` and `python -m memra.run --draft name`; it must be unique
         across every loaded plugin. `source` is an object (not a class) with
         `load(model, options: dict | None) -> drafter`, called once per model; the drafter
-        follows `memra.drafters.base.Drafter` (`max_k`, `tap_layers`, `begin(start) -> state`).
+        follows `memra.speculative.contract.Drafter` (`max_k`, `tap_layers`, `begin(start) -> state`).
     """

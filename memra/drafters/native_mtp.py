@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from memra.drafters.base import Proposal, RoundOutcome, SessionStart
 from memra.errors import InputError
-from memra.spec.sampling import DenseQ
+from memra.speculative.contract import DenseQ, Proposal, RoundOutcome, SessionStart
 
 
 class NativeMtpSource:

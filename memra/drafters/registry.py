@@ -79,7 +79,7 @@ def load_drafter(name: str, model, options: dict | None = None):
     missing = [attr for attr in ("begin", "tap_layers") if not hasattr(drafter, attr)]
     if missing:
         raise InputError(f"draft source {name!r} ({origin}) loaded a drafter without {missing}: "
-                         "see memra.drafters.base.Drafter")
+                         "see memra.speculative.contract.Drafter")
     return drafter
 
 

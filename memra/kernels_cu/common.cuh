@@ -3,7 +3,11 @@
 // block size (never on the row count t), so row r of a t-row launch is bit-identical to t = 1.
 #pragma once
 
-#define MEMRA_BLOCK 256  // threads per block for row reductions: a fixed split size
+// MEMRA_BLOCK: threads per block for row reductions, a fixed split size. Constants the host
+// shares arrive as -D defines from memra/kernels_cu/constants.py; without them, stop here.
+#if !defined(MEMRA_BLOCK) || !defined(WARPS_PER_BLOCK)
+#error "MEMRA_BLOCK, WARPS_PER_BLOCK must come from the build (-D, memra/kernels_cu/constants.py)"
+#endif
 
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
     return __uint_as_float(((unsigned int)b) << 16);
@@ -12,6 +16,12 @@ __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
 __device__ __forceinline__ float sigmoidf_exact(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 __device__ __forceinline__ float siluf_exact(float x) { return x * sigmoidf_exact(x); }
+
+// The reference's overflow-free sigmoid (hc, KDA gate, MoE scores): exp only ever sees -|x|.
+__device__ __forceinline__ float sigmoidf_stable(float x) {
+    const float e = expf(-fabsf(x));
+    return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
 
 // Fixed-shape tree sum over MEMRA_BLOCK partials held in shared memory; returns the total to all.
 __device__ __forceinline__ float block_sum(float v, float* shm) {
@@ -24,6 +34,35 @@ __device__ __forceinline__ float block_sum(float v, float* shm) {
     float total = shm[0];
     __syncthreads();
     return total;
+}
+
+// The selections' total order (MoE experts and groups, kpool pools): a higher score first, equal
+// scores to the lower index; index -1 stands for "no candidate" and ranks after everything.
+__device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
+    if (ia < 0) return false;
+    if (ib < 0) return true;
+    return va > vb || (va == vb && ia < ib);
+}
+
+// Fixed-shape tree over MEMRA_BLOCK (value, index) candidates held in shared sv, si, where
+// before(v, i, w, j) says (v, i) wins over (w, j); every thread returns the winner. Under a
+// strict total order that is the winner a serial scan finds.
+template <typename V, typename I, typename Before>
+__device__ void block_best(V& v, I& i, V* sv, I* si, Before before) {
+    sv[threadIdx.x] = v;
+    si[threadIdx.x] = i;
+    __syncthreads();
+    for (int s = MEMRA_BLOCK / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s &&
+            before(sv[threadIdx.x + s], si[threadIdx.x + s], sv[threadIdx.x], si[threadIdx.x])) {
+            sv[threadIdx.x] = sv[threadIdx.x + s];
+            si[threadIdx.x] = si[threadIdx.x + s];
+        }
+        __syncthreads();
+    }
+    v = sv[0];
+    i = si[0];
+    __syncthreads();
 }
 
 __device__ __forceinline__ float block_max(float v, float* shm) {

@@ -3,8 +3,8 @@
 // Projections are exact class and read each weight once for all t rows of the call. bf16
 // weights (every real checkpoint) run on tensor cores through exact_mma.cuh: exact bf16 pieces of
 // the float32 activations, a fixed MMA sequence per output. float32 weights run on CUDA cores:
-// one warp owns one output row of the weight and streams it once for the rows (up to ROWS_MAX;
-// more only in the prime class). Lane l reads the 8-float chunks starting at in-features
+// one warp owns one output row of the weight and streams it once for the rows (up to 16; more
+// only in the prime class). Lane l reads the 8-float chunks starting at in-features
 // k = 8l, 8l + 256, 8l + 512, ... and adds the 8 products of each chunk in increasing k; the
 // warp's fixed shuffle tree then adds the 32 lane partials. Either order depends only on n_in,
 // never on t, the grid or the kernel's row template, so row r of a t-row call is bit-identical
@@ -12,13 +12,19 @@
 #include "common.cuh"
 #include "exact_mma.cuh"
 
+#if !defined(OUTS_PER_WARP_T1) || !defined(OUTS_PER_WARP_T2) || !defined(OUTS_PER_WARP_T4) || \
+    !defined(OUTS_PER_WARP_T8) || !defined(OUTS_PER_WARP_T16) || !defined(BF16_OUTS) ||         \
+    !defined(SPLIT_KC) || !defined(VERIFY_CAP)
+#error "dense.cu: OUTS_PER_WARP_T*, BF16_OUTS, SPLIT_KC, VERIFY_CAP must come from the build (-D)"
+#endif
+
 static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
+static_assert(VERIFY_CAP <= 16, "a verify walk's rows take one weight pass (row template t16, bf16 n2)");
+static_assert(BF16_OUTS % 16 == 0, "a bf16 tile is whole 16-row MMA blocks");
 
 #define WARP 32
-#define WARPS_PER_BLOCK (MEMRA_BLOCK / WARP)  // one output row per warp
-#define CHUNK 8                               // in-features per lane per step
+#define CHUNK 8  // in-features per lane per step
 #define STEP (WARP * CHUNK)
-#define ROWS_MAX 16                           // rows per weight pass; >= 15, the exact-class cap
 
 static __device__ __forceinline__ float widen(float v) { return v; }
 static __device__ __forceinline__ float widen(unsigned short v) { return bf16_to_f32(v); }
@@ -106,7 +112,7 @@ static __device__ void project(const float* __restrict__ x, const float* __restr
 // x [t, in], w [out, in] -> y [t, out]; grid (ceil(out / (WARPS_PER_BLOCK * O))), block MEMRA_BLOCK.
 // x [t, H, in], w [H, out, in] -> y [t, H, out] for head_linear; grid (.., H).
 // One float32-weight kernel per row template T in {1, 2, 4, 8, 16}, each with its outputs per
-// warp O (cuda_dense.OUTS_PER_WARP mirrors them): the host picks the smallest T >= min(t, 16).
+// warp O = OUTS_PER_WARP_T<T>: the host picks the smallest T >= min(t, 16).
 // Neither T nor O changes a row's bits; they size the accumulators and the activation reuse.
 #define PROJECTIONS(T, O)                                                                          \
     extern "C" __global__ void linear_f32_t##T(const float* x, const float* w, float* y, int t,     \
@@ -120,36 +126,31 @@ static __device__ void project(const float* __restrict__ x, const float* __restr
                              heads * n_in, heads * n_out);                                         \
     }
 
-PROJECTIONS(1, 1) PROJECTIONS(2, 2) PROJECTIONS(4, 4) PROJECTIONS(8, 4) PROJECTIONS(16, 2)
+PROJECTIONS(1, OUTS_PER_WARP_T1) PROJECTIONS(2, OUTS_PER_WARP_T2) PROJECTIONS(4, OUTS_PER_WARP_T4)
+PROJECTIONS(8, OUTS_PER_WARP_T8) PROJECTIONS(16, OUTS_PER_WARP_T16)
 
-// bf16 weights: 32 outputs per block of MMA_THREADS, 8 NT rows per pass (NT = 1 for t <= 8,
-// else 2; the host picks, the bits do not depend on it). grid (ceil(out / 32)[, H]).
+// bf16 weights: BF16_OUTS outputs per block of MMA_THREADS, 8 NT rows per pass (NT = 1 for
+// t <= 8, else 2; the host picks, the bits do not depend on it). grid (ceil(out / BF16_OUTS)[, H]).
 // w_stride: elements from one weight row to the next (n_in, or more for a split-K slice).
-#define BF16_OUTS 32
-
 template <int NT>
 static __device__ void project_bf16(const float* x, const unsigned short* w, float* y, int t,
                                     int n_in, int n_out, long long x_stride, long long y_stride,
                                     long long w_stride) {
-    __shared__ MmaTile<2, NT> sh;
+    constexpr int J = BF16_OUTS / 16;
+    __shared__ MmaTile<J, NT> sh;
     const int g = threadIdx.x % MMA_WARP / 4, o0 = blockIdx.x * BF16_OUTS;
     const bool w_aligned = (reinterpret_cast<unsigned long long>(w) % 16) == 0 && w_stride % 8 == 0;
     const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && x_stride % 4 == 0;
-    const unsigned short* wrow[2][2];
+    const unsigned short* wrow[J][2];
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int o = o0 + 16 * j + 8 * h + g;
-            wrow[j][h] = o < n_out ? w + (long long)o * w_stride : nullptr;
-        }
+    for (int j = 0; j < J; ++j) mma_rows(w, o0 + 16 * j, n_out, w_stride, wrow[j]);
     for (int r0 = 0; r0 < t; r0 += 8 * NT) {  // more than 8 NT rows only in the prime class
         const int nr = min(8 * NT, t - r0);
         const float* xrow[NT];
 #pragma unroll
         for (int n = 0; n < NT; ++n)
             xrow[n] = 8 * n + g < nr ? x + (r0 + 8 * n + g) * x_stride : nullptr;
-        mma_tile<2, NT>(wrow, xrow, n_in, w_aligned, x_aligned, sh);
+        mma_tile<J, NT>(wrow, xrow, n_in, w_aligned, x_aligned, sh);
         for (int i = threadIdx.x; i < BF16_OUTS * nr; i += MMA_THREADS) {
             const int m = i % BF16_OUTS, n = i / BF16_OUTS;
             if (o0 + m < n_out) y[(r0 + n) * y_stride + o0 + m] = sh.tile[m][n];
@@ -157,9 +158,9 @@ static __device__ void project_bf16(const float* x, const unsigned short* w, flo
     }
 }
 
-// Split-K (a fixed split size kc of in-features, never a count): block (o-tile, s) projects
-// in-features [s kc, s kc + kc) into part[s] [t, out]; linear_split_sum adds the parts in s
-// order. For projections whose outputs alone fill few blocks (a 4096-output o_proj is 128
+// Split-K (a fixed split size of SPLIT_KC in-features, never a count): block (o-tile, s)
+// projects slice s of the in-features into part[s] [t, out]; linear_split_sum adds the parts in
+// s order. For projections whose outputs alone fill few blocks (a 4096-output o_proj is 128
 // blocks, one per SM, too few loads in flight); the host picks it by shape, never by t.
 #define PROJECTIONS_BF16(NT)                                                                       \
     extern "C" __global__ void linear_bf16_n##NT(const float* x, const unsigned short* w, float* y, \
@@ -167,11 +168,10 @@ static __device__ void project_bf16(const float* x, const unsigned short* w, flo
         project_bf16<NT>(x, w, y, t, n_in, n_out, n_in, n_out, n_in);                              \
     }                                                                                              \
     extern "C" __global__ void linear_bf16_split_n##NT(const float* x, const unsigned short* w,    \
-                                                       float* part, int t, int n_in, int n_out,    \
-                                                       int kc) {                                   \
-        const long long k0 = (long long)blockIdx.y * kc;                                           \
+                                                       float* part, int t, int n_in, int n_out) {  \
+        const long long k0 = (long long)blockIdx.y * SPLIT_KC;                                     \
         project_bf16<NT>(x + k0, w + k0, part + blockIdx.y * (long long)t * n_out, t,              \
-                         (int)min((long long)kc, n_in - k0), n_out, n_in, n_out, n_in);            \
+                         (int)min((long long)SPLIT_KC, n_in - k0), n_out, n_in, n_out, n_in);      \
     }                                                                                              \
     extern "C" __global__ void head_linear_bf16_n##NT(const float* x, const unsigned short* w,     \
                                                       float* y, int t, int n_in, int n_out) {      \

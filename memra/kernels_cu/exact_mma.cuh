@@ -80,6 +80,18 @@ static __device__ __forceinline__ unsigned word(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+// This lane's two rows of the 16-row weight block starting at row o: rows o + g and o + 8 + g
+// (g = lane / 4), `stride` elements apart from w; nullptr past n_rows (read as zeros).
+static __device__ __forceinline__ void mma_rows(const unsigned short* w, int o, int n_rows,
+                                                long long stride, const unsigned short* (&rows)[2]) {
+    const int g = threadIdx.x % MMA_WARP / 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = o + 8 * h + g;
+        rows[h] = r < n_rows ? w + (long long)r * stride : nullptr;
+    }
+}
+
 // One tile: tile[m][n] = w_m . x_n for the block's 16 J weight rows m and up to 8 NT activation
 // rows n. Each lane passes its own operand rows: wrow[j][h] is weight row 16 j + 8 h + g and
 // xrow[n] activation row 8 n + g (nullptr: a missing row, read as zeros). w_aligned / x_aligned:

@@ -4,14 +4,10 @@
 // Semantics: NumpyBackend.hc_weights / hc_collapse / hc_combine / stream_mean.
 #include "common.cuh"
 
-#define HC_WARPS (MEMRA_BLOCK / 32)
-#define HC_MAX_N 8  // streams; the wrapper asserts n <= HC_MAX_N (C lives in a local array)
-
-// The reference's overflow-free sigmoid: exp only ever sees -|x|.
-static __device__ __forceinline__ float hc_sigmoid(float x) {
-    const float e = expf(-fabsf(x));
-    return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-}
+// HC_MAX_N: streams (the wrapper asserts n <= HC_MAX_N). HC_CHUNK: see hc_partials.
+#if !defined(HC_MAX_N) || !defined(HC_CHUNK)
+#error "hyper.cu: HC_MAX_N, HC_CHUNK must come from the build (-D)"
+#endif
 
 // Fixed xor-butterfly over the 32 lanes. Each step adds a commutative pair, so every lane ends
 // with the same bits; callers still take lane 0's value.
@@ -37,13 +33,13 @@ static __device__ void hc_normalise(float* c, int n, int a, int b, bool columns,
 // one block per row: hc_partials takes fixed chunks of HC_CHUNK flattened elements (a split
 // size, never a count) and writes each chunk's sum of squares and (2+n)n dots with fn;
 // hc_weights adds the chunks in order, normalises (m = inv_rms * fn x) and runs the epilogue.
-#define HC_CHUNK (MEMRA_BLOCK * 8)  // thread i of a chunk owns its elements 8i .. 8i + 7
+static_assert(HC_CHUNK == 8 * MEMRA_BLOCK, "thread i of a chunk owns its elements 8i .. 8i + 7");
 #define HC_MAX_OUTS ((2 + HC_MAX_N) * HC_MAX_N)
 
 // grid (ceil(nD / HC_CHUNK), t), block MEMRA_BLOCK. part [t, chunks, outs + 1]: the dots, then ss.
 extern "C" __global__ void hc_partials(const float* __restrict__ streams, const float* __restrict__ fn,
                                        float* __restrict__ part, int n, int d) {
-    __shared__ float red[HC_WARPS][HC_MAX_OUTS + 1];
+    __shared__ float red[WARPS_PER_BLOCK][HC_MAX_OUTS + 1];
     const int r = blockIdx.y, c = blockIdx.x, chunks = gridDim.x, nd = n * d, outs = (2 + n) * n;
     const int k0 = c * HC_CHUNK + threadIdx.x * 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float* x = streams + (long long)r * nd;
@@ -66,7 +62,7 @@ extern "C" __global__ void hc_partials(const float* __restrict__ streams, const 
     __syncthreads();
     for (int j = threadIdx.x; j <= outs; j += MEMRA_BLOCK) {
         float sum = red[0][j];
-        for (int v = 1; v < HC_WARPS; ++v) sum += red[v][j];
+        for (int v = 1; v < WARPS_PER_BLOCK; ++v) sum += red[v][j];
         part[((long long)r * chunks + c) * (outs + 1) + j] = sum;
     }
 }
@@ -90,8 +86,8 @@ extern "C" __global__ void hc_weights(const float* __restrict__ part, const floa
     const float inv = 1.0f / sqrtf(m[outs] / (float)(n * d) + rms_eps);
     if (threadIdx.x < n) {
         const int i = threadIdx.x;
-        pre[r * n + i] = hc_sigmoid(m[i] * inv * scale[0] + base[i]) + hc_eps;
-        post[r * n + i] = 2.0f * hc_sigmoid(m[n + i] * inv * scale[1] + base[n + i]);
+        pre[r * n + i] = sigmoidf_stable(m[i] * inv * scale[0] + base[i]) + hc_eps;
+        post[r * n + i] = 2.0f * sigmoidf_stable(m[n + i] * inv * scale[1] + base[n + i]);
     }
     // c = row softmax of the logits + eps: each thread of row a walks the row in order
     if (a < n) {

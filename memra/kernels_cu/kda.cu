@@ -6,16 +6,12 @@
 // Semantics: NumpyBackend.short_conv / kda_gate / kda_recurrence.
 #include "common.cuh"
 
-#define KDA_WARPS (MEMRA_BLOCK / 32)
-#define KDA_MAX_CONV 16                  // conv taps; the wrapper asserts K <= KDA_MAX_CONV
-#define KDA_MAX_DK 256                   // key dim; the wrapper asserts dk <= KDA_MAX_DK
-#define KDA_SLOTS (KDA_MAX_DK / 32)      // S entries each lane holds for its column
-
-// The reference's overflow-free sigmoid: exp only ever sees -|x|.
-static __device__ __forceinline__ float kda_sigmoid(float x) {
-    const float e = expf(-fabsf(x));
-    return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-}
+// The wrapper asserts conv taps K <= KDA_MAX_CONV and key dim dk <= KDA_MAX_DK.
+#if !defined(KDA_MAX_CONV) || !defined(KDA_MAX_DK)
+#error "kda.cu: KDA_MAX_CONV, KDA_MAX_DK must come from the build (-D)"
+#endif
+static_assert(KDA_MAX_DK % 32 == 0, "a warp's lanes share a state column evenly");
+#define KDA_SLOTS (KDA_MAX_DK / 32)  // S entries each lane holds for its column
 
 // Fixed xor-butterfly over 32 lanes, then lane 0's value to all (one bit pattern per warp).
 static __device__ __forceinline__ float kda_warp_sum(float v) {
@@ -37,7 +33,7 @@ extern "C" __global__ void short_conv(const float* __restrict__ x, float* __rest
         const float xr = x[(long long)r * c + ch];
         float acc = wc[0] * (k > 1 ? hist[0] : xr);
         for (int j = 1; j < k; ++j) acc = acc + wc[j] * (j < k - 1 ? hist[j] : xr);
-        out[(long long)r * c + ch] = acc * kda_sigmoid(acc);
+        out[(long long)r * c + ch] = acc * sigmoidf_stable(acc);
         if (k > 1) {
             for (int j = 0; j < k - 2; ++j) hist[j] = hist[j + 1];
             hist[k - 2] = xr;
@@ -57,7 +53,7 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
     const float z = f[idx] + dt_bias[h * dk + i];
     const float rate = expf(a_log[h]);
     if (has_lb) {
-        out[idx] = lb * kda_sigmoid(rate * z);
+        out[idx] = lb * sigmoidf_stable(rate * z);
     } else {
         const float soft = z > 20.0f ? z : log1pf(expf(fminf(z, 20.0f)));
         out[idx] = -rate * soft;
@@ -67,14 +63,14 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // Delta rule over the t rows in order, per head h:
 //   S <- S * exp(g)[:, None];  S += k (x) beta (v - S^T k);  o = S^T q.
 // q, k, g [t, Hk, dk]; v [t, Hk, dv]; beta [t, Hk]; state [Hk, dk, dv] float32 in place;
-// out [t, Hk, dv]. Grid (Hk, ceil(dv / KDA_WARPS)): one warp owns one value column j of S,
+// out [t, Hk, dv]. Grid (Hk, ceil(dv / WARPS_PER_BLOCK)): one warp owns one value column j of S,
 // lane l holding S[l + 32 m, j]. Both dk-reductions: per lane ascending m, then the butterfly.
 extern "C" __global__ void kda_recurrence(const float* __restrict__ q, const float* __restrict__ k,
                                           const float* __restrict__ v, const float* __restrict__ g,
                                           const float* __restrict__ beta, float* __restrict__ state,
                                           float* __restrict__ out, int t, int hk, int dk, int dv) {
     const int h = blockIdx.x, lane = threadIdx.x % 32;
-    const int j = blockIdx.y * KDA_WARPS + threadIdx.x / 32;
+    const int j = blockIdx.y * WARPS_PER_BLOCK + threadIdx.x / 32;
     if (j >= dv) return;  // a whole warp leaves together; no block-wide sync follows
     float* col = state + (long long)h * dk * dv + j;
     float s[KDA_SLOTS], kk[KDA_SLOTS];

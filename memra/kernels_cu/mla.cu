@@ -5,6 +5,10 @@
 // t-row launch is bit-identical to the same row launched alone.
 #include "common.cuh"
 
+#if !defined(ATT_POS) || !defined(MIX_HEADS) || !defined(MIX_CHANNELS)
+#error "mla.cu: ATT_POS, MIX_HEADS, MIX_CHANNELS must come from the build (-D)"
+#endif
+
 static __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // One pool key channel: the P slot keys (stride Di from k, g) mixed by a softmax over the slots
@@ -67,32 +71,6 @@ extern "C" __global__ void kpool_scores(const float* q, const float* w, const fl
     scores[(long long)r * nmax + j] = acc;
 }
 
-// The selection's total order: a higher score first, equal scores to the lower pool index.
-// Index -1 stands for "no candidate" and ranks after everything.
-static __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
-    if (ia < 0) return false;
-    if (ib < 0) return true;
-    return va > vb || (va == vb && ia < ib);
-}
-
-// Fixed-shape tree over MEMRA_BLOCK (score, index) candidates; every thread gets the winner.
-static __device__ void block_best(float& v, int& i, float* sv, int* si) {
-    sv[threadIdx.x] = v;
-    si[threadIdx.x] = i;
-    __syncthreads();
-    for (int s = MEMRA_BLOCK / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s && ranks_before(sv[threadIdx.x + s], si[threadIdx.x + s],
-                                            sv[threadIdx.x], si[threadIdx.x])) {
-            sv[threadIdx.x] = sv[threadIdx.x + s];
-            si[threadIdx.x] = si[threadIdx.x + s];
-        }
-        __syncthreads();
-    }
-    v = sv[0];
-    i = si[0];
-    __syncthreads();
-}
-
 // Positions of row r (one block): dense rows attend 0..p; sparse rows take the `budget` best
 // pools one at a time (each round the best candidate ranking after the previous winner, so
 // the result is the exact top-`budget` set under the total order), then write the chosen
@@ -125,7 +103,7 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
                 best_i = j;
             }
         }
-        block_best(best_v, best_i, sv, si);
+        block_best(best_v, best_i, sv, si, ranks_before);
         if (threadIdx.x == 0) chosen[b] = best_i;
         prev_v = best_v;
         prev_i = best_i;
@@ -150,9 +128,9 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
 //   mla_softmax: p[r, h, :] = softmax over the row's valid entries (fixed-tree max and sum);
 //   mla_mix:     o[r, h, k] = sum_j p[r, h, j] c_{pos[r, j]}[k], j in list (ascending) order.
 // Each value's order depends on R and the row's own list only, never on t or the grid.
-#define ATT_POS 32    // positions per mla_scores block (one per lane)
-#define ATT_HEADS 64  // heads per pass of an mla_scores block: 8 warps x 8 heads
-#define ATT_KT 32     // in-channels staged per step
+static_assert(ATT_POS == 32, "mla_scores: one position per lane");
+#define ATT_HEADS (WARPS_PER_BLOCK * 8)  // heads per pass of an mla_scores block: 8 per warp
+#define ATT_KT 32                        // in-channels staged per step
 
 // grid (ceil(W / ATT_POS), t), block MEMRA_BLOCK. Lane = position, warp = a group of 8 heads.
 extern "C" __global__ void mla_scores(const float* q, const float* latent, const int* positions,
@@ -214,25 +192,26 @@ extern "C" __global__ void mla_softmax(float* scores, const int* positions, int 
     for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK) s[j] = s[j] / sum;
 }
 
-#define MIX_HEADS 8  // heads per mla_mix block: one latent read serves 8 accumulators
-#define MIX_SPAN 32   // list entries per warp turn; warp w takes turns w, w + 8, w + 16, ...
+// MIX_HEADS heads per mla_mix block: one latent read serves MIX_HEADS accumulators.
+#define MIX_SPAN 32  // list entries per warp turn; warp w takes turns w, w + 8, w + 16, ...
+static_assert(MIX_CHANNELS == 32, "mla_mix: one channel per lane");
+static_assert(WARPS_PER_BLOCK == MIX_HEADS, "mla_mix: the combine gives each warp one head");
 
-// grid (ceil(R / 32), ceil(H / MIX_HEADS), t), block MEMRA_BLOCK: lane = channel k, warp = a
-// fixed share of the list (a split size of MIX_SPAN entries, never a split count). The 8 warp
-// partials are added in warp order. Invalid entries have p = 0 and read a zero row value.
+// grid (ceil(R / MIX_CHANNELS), ceil(H / MIX_HEADS), t), block MEMRA_BLOCK: lane = channel k,
+// warp = a fixed share of the list (a split size of MIX_SPAN entries, never a split count). The
+// 8 warp partials are added in warp order. Invalid entries have p = 0 and read a zero row value.
 extern "C" __global__ void mla_mix(const float* probs, const float* latent, const int* positions,
                                    float* out, int H, int R, int W) {
-    constexpr int WARPS = MEMRA_BLOCK / 32;
-    __shared__ float part[WARPS][MIX_HEADS][32];
+    __shared__ float part[WARPS_PER_BLOCK][MIX_HEADS][MIX_CHANNELS];
     const int r = blockIdx.z, h0 = blockIdx.y * MIX_HEADS, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int k = blockIdx.x * 32 + lane;
+    const int k = blockIdx.x * MIX_CHANNELS + lane;
     const int* pos = positions + (long long)r * W;
     const float* p = probs + ((long long)r * H + h0) * W;
     const int nh = min(MIX_HEADS, H - h0);
     float acc[MIX_HEADS];
 #pragma unroll
     for (int i = 0; i < MIX_HEADS; ++i) acc[i] = 0.0f;
-    for (int j0 = warp * MIX_SPAN; j0 < W; j0 += WARPS * MIX_SPAN) {
+    for (int j0 = warp * MIX_SPAN; j0 < W; j0 += WARPS_PER_BLOCK * MIX_SPAN) {
         const int n = min(MIX_SPAN, W - j0);
 #pragma unroll 8
         for (int e = 0; e < n; ++e) {
@@ -246,11 +225,10 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
 #pragma unroll
     for (int i = 0; i < MIX_HEADS; ++i) part[warp][i][lane] = acc[i];
     __syncthreads();
-    static_assert(WARPS == MIX_HEADS, "the combine gives each warp one head");
     const int i = warp;
     if (i < nh && k < R) {
         float sum = part[0][i][lane];
-        for (int w = 1; w < WARPS; ++w) sum += part[w][i][lane];
+        for (int w = 1; w < WARPS_PER_BLOCK; ++w) sum += part[w][i][lane];
         out[((long long)r * H + h0 + i) * R + k] = sum;
     }
 }

@@ -9,9 +9,15 @@
 #include "common.cuh"
 #include "exact_mma.cuh"
 
-static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
+#if !defined(MOE_MAX_EXPERTS) || !defined(MAX_TOPK) || !defined(MAX_GROUPS) || \
+    !defined(GATE_UP_UNITS) || !defined(BF16_OUTS)
+#error "moe.cu: MOE_MAX_EXPERTS, MAX_TOPK, MAX_GROUPS, GATE_UP_UNITS, BF16_OUTS must come from the build (-D)"
+#endif
 
-#define WARPS (MEMRA_BLOCK / 32)  // output units per block
+static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
+static_assert(MAX_GROUPS == 64, "moe_route_select keeps the groups in a 64-bit mask, two per lane");
+static_assert(GATE_UP_UNITS == 16, "a gate|up tile is one 16-row MMA block of gate rows, one of up rows");
+static_assert(BF16_OUTS % 16 == 0, "a down tile is whole 16-row MMA blocks");
 
 // Lane 0 returns the dot of w[0..n) and x[0..n): lane l sums c = l, l+32, ... then a fixed tree.
 template <typename T>
@@ -22,19 +28,11 @@ static __device__ __forceinline__ float warp_dot(const T* w, const float* x, int
     return acc;
 }
 
-// The selection's total order: a higher score first, equal scores to the lower index;
-// index -1 stands for "no candidate" and ranks after everything.
-static __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
-    if (ia < 0) return false;
-    if (ib < 0) return true;
-    return va > vb || (va == vb && ia < ib);
-}
-
 // Router logits [t, E]: warp per expert, rows looped inside.
 extern "C" __global__ void moe_router_logits(const float* x, const float* w_gate, float* logits,
                                              int t, int E, int D) {
     int lane = threadIdx.x & 31;
-    int e = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    int e = blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5);
     if (e >= E) return;
     const float* we = w_gate + (long long)e * D;
     for (int r = 0; r < t; ++r) {
@@ -74,7 +72,7 @@ static __device__ __forceinline__ void warp_best(float& v, int& i) {
 // One warp per row: sigmoid scores, best groups, best experts inside them (each chosen one at
 // a time as the best candidate ranking after the previous winner; lanes scan experts lane,
 // lane + 32, ... and the warp reduces), ascending experts, weights from the unbiased scores.
-// k <= 32 and n_group <= 64 (wrapper checks). Dynamic shared memory: E floats per warp.
+// k <= MAX_TOPK and n_group <= MAX_GROUPS (wrapper checks). Dynamic shared memory: E floats per warp.
 extern "C" __global__ void moe_route_select(const float* logits, const float* bias,
                                             long long* experts, float* weights, int t, int E,
                                             int n_group, int topk_group, int k, int renormalize,
@@ -86,14 +84,12 @@ extern "C" __global__ void moe_route_select(const float* logits, const float* bi
     const float* lg = logits + (long long)r * E;
     float* s = scores + warp * E;
     for (int e = lane; e < E; e += 32) {
-        float z = lg[e];
-        float ez = expf(-fabsf(z));  // overflow-free sigmoid, as the reference computes it
-        s[e] = z >= 0.0f ? 1.0f / (1.0f + ez) : ez / (1.0f + ez);
+        s[e] = sigmoidf_stable(lg[e]);
     }
     __syncwarp();
     const int gsize = E / n_group;
-    float gv[2];  // this lane's groups: lane and lane + 32
-    for (int h = 0; h < 2; ++h) {
+    float gv[MAX_GROUPS / 32];  // this lane's groups: lane, lane + 32, ...
+    for (int h = 0; h < MAX_GROUPS / 32; ++h) {
         const int g = lane + 32 * h;
         gv[h] = g < n_group ? group_score(s, bias, g, gsize) : 0.0f;
     }
@@ -103,7 +99,7 @@ extern "C" __global__ void moe_route_select(const float* logits, const float* bi
     for (int b = 0; b < topk_group; ++b) {
         float best_v = 0.0f;
         int best_i = -1;
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < MAX_GROUPS / 32; ++h) {
             const int g = lane + 32 * h;
             if (g >= n_group) continue;
             bool after = prev_i < 0 || ranks_before(prev_v, prev_i, gv[h], g);
@@ -117,7 +113,7 @@ extern "C" __global__ void moe_route_select(const float* logits, const float* bi
         prev_v = best_v;
         prev_i = best_i;
     }
-    int chosen[32];
+    int chosen[MAX_TOPK];
     prev_i = -1;
     for (int b = 0; b < k; ++b) {
         float best_v = 0.0f;
@@ -161,7 +157,7 @@ template <typename T>
 static __device__ void gate_up(const float* x, const long long* idx, const T* gate_w,
                                const T* up_w, float* h, int t, int k, int I, int D, float limit) {
     int lane = threadIdx.x & 31;
-    int i = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    int i = blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5);
     int e = blockIdx.y;
     if (i >= I) return;
     const T* g = gate_w + ((long long)e * I + i) * D;
@@ -184,7 +180,7 @@ template <typename T>
 static __device__ void down(const float* h, const long long* idx, const T* down_w, float* y,
                             int t, int k, int I, int D) {
     int lane = threadIdx.x & 31;
-    int c = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    int c = blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5);
     int e = blockIdx.y;
     if (c >= D) return;
     const T* wr = down_w + ((long long)e * D + c) * I;
@@ -245,14 +241,12 @@ static __device__ int next_pairs(const long long* idx, int total, int e, int cap
     return n;
 }
 
-#define MOE_MAX_EXPERTS 3072  // cuda_sparse.MAX_EXPERTS
-
 // The distinct experts that idx [n] routes to, ascending, into list; their number into *count.
 // One block. The bf16 expert kernels run one block row per listed expert, so a decode step
 // launches blocks only for the k experts it reads instead of for all E.
 extern "C" __global__ void moe_expert_list(const long long* idx, int n, int E, int* list, int* count) {
     __shared__ int used[MOE_MAX_EXPERTS];
-    __shared__ int warp_hits[MEMRA_BLOCK / 32];
+    __shared__ int warp_hits[WARPS_PER_BLOCK];
     __shared__ int listed;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int e = threadIdx.x; e < E; e += MEMRA_BLOCK) used[e] = 0;
@@ -272,29 +266,52 @@ extern "C" __global__ void moe_expert_list(const long long* idx, int n, int E, i
         if (on) list[at + __popc(hits & ((1u << lane) - 1u))] = e;
         __syncthreads();
         if (threadIdx.x == 0)
-            for (int v = 0; v < MEMRA_BLOCK / 32; ++v) listed += warp_hits[v];
+            for (int v = 0; v < WARPS_PER_BLOCK; ++v) listed += warp_hits[v];
         __syncthreads();
     }
     if (threadIdx.x == 0) *count = listed;
 }
 
-// bf16 experts, tensor cores. gate_up: block (i-tile of 16, listed expert e = list[y]): weight
-// rows 0..15 are gate rows i0.., 16..31 the up rows, so the SwiGLU pairs meet in one tile. down:
-// block (c-tile of 32, listed expert). grid (ceil(I / 16), min(E, t k)) and (ceil(D / 32), ..),
-// block MMA_THREADS; block rows past *listed exit at once.
+// The block's passes over the (row, slot) pairs routed to expert e, up to 8 NT at a time: each
+// pair's activation row x + (pair / div) * stride goes through mma_tile against the lane's weight
+// rows wrow, then store(nr, pairs, tile) writes the pass's nr pairs. Call with the whole block.
+template <int J, int NT, typename Store>
+static __device__ void expert_passes(const long long* idx, int total, int e,
+                                     const unsigned short* const (&wrow)[J][2], const float* x,
+                                     int div, long long stride, int n_in, bool w_aligned,
+                                     bool x_aligned, Store store) {
+    __shared__ MmaTile<J, NT> sh;
+    __shared__ int pairs[8 * NT], count, cursor[2];
+    const int g = threadIdx.x % MMA_WARP / 4;
+    if (threadIdx.x == 0) cursor[0] = 0;
+    __syncthreads();
+    int nr;
+    while ((nr = next_pairs(idx, total, e, 8 * NT, pairs, &count, cursor)) > 0) {
+        const float* xrow[NT];
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+            xrow[n] = 8 * n + g < nr ? x + (long long)(pairs[8 * n + g] / div) * stride : nullptr;
+        mma_tile<J, NT>(wrow, xrow, n_in, w_aligned, x_aligned, sh);
+        store(nr, pairs, sh.tile);
+    }
+}
+
+// bf16 experts, tensor cores. gate_up: block (i-tile of GATE_UP_UNITS, listed expert e = list[y]):
+// weight rows 0..15 are gate rows i0.., 16..31 the up rows, so the SwiGLU pairs meet in one tile.
+// down: block (c-tile of BF16_OUTS, listed expert). grid (ceil(I / GATE_UP_UNITS), min(E, t k))
+// and (ceil(D / BF16_OUTS), ..), block MMA_THREADS; block rows past *listed exit at once.
 template <int NT>
 static __device__ void gate_up_bf16(const float* x, const long long* idx, const int* list,
                                     const int* listed, const unsigned short* gate_w,
                                     const unsigned short* up_w, float* h, int t, int k, int I, int D,
                                     float limit) {
-    __shared__ MmaTile<2, NT> sh;
-    __shared__ int pairs[8 * NT], count, cursor[2];
     if (blockIdx.y >= *listed) return;
-    const int e = list[blockIdx.y], i0 = blockIdx.x * 16, g = threadIdx.x % MMA_WARP / 4;
+    const int e = list[blockIdx.y], i0 = blockIdx.x * GATE_UP_UNITS;
     const bool w_aligned = (reinterpret_cast<unsigned long long>(gate_w) % 16) == 0 &&
                            (reinterpret_cast<unsigned long long>(up_w) % 16) == 0 && D % 8 == 0;
     const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && D % 4 == 0;
-    const unsigned short* wrow[2][2];
+    const int g = threadIdx.x % MMA_WARP / 4;
+    const unsigned short* wrow[2][2];  // the gate row and the up row of unit i meet in one lane
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int i = i0 + 8 * hh + g;
@@ -302,57 +319,38 @@ static __device__ void gate_up_bf16(const float* x, const long long* idx, const 
         wrow[0][hh] = i < I ? gate_w + off : nullptr;
         wrow[1][hh] = i < I ? up_w + off : nullptr;
     }
-    if (threadIdx.x == 0) cursor[0] = 0;
-    __syncthreads();
-    int nr;
-    while ((nr = next_pairs(idx, t * k, e, 8 * NT, pairs, &count, cursor)) > 0) {
-        const float* xrow[NT];
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-            xrow[n] = 8 * n + g < nr ? x + (long long)(pairs[8 * n + g] / k) * D : nullptr;
-        mma_tile<2, NT>(wrow, xrow, D, w_aligned, x_aligned, sh);
-        for (int j = threadIdx.x; j < 16 * nr; j += MMA_THREADS) {
-            const int m = j % 16, n = j / 16;
+    expert_passes<2, NT>(idx, t * k, e, wrow, x, k, D, D, w_aligned, x_aligned,
+                         [&](int nr, const int* pairs, const auto& tile) {
+        for (int j = threadIdx.x; j < GATE_UP_UNITS * nr; j += MMA_THREADS) {
+            const int m = j % GATE_UP_UNITS, n = j / GATE_UP_UNITS;
             if (i0 + m < I) {
-                const float a = siluf_exact(fminf(sh.tile[m][n], limit));
-                h[(long long)pairs[n] * I + i0 + m] = a * fminf(fmaxf(sh.tile[16 + m][n], -limit), limit);
+                const float a = siluf_exact(fminf(tile[m][n], limit));
+                h[(long long)pairs[n] * I + i0 + m] =
+                    a * fminf(fmaxf(tile[GATE_UP_UNITS + m][n], -limit), limit);
             }
         }
-    }
+    });
 }
 
 template <int NT>
 static __device__ void down_bf16(const float* h, const long long* idx, const int* list,
                                  const int* listed, const unsigned short* down_w, float* y, int t,
                                  int k, int I, int D) {
-    __shared__ MmaTile<2, NT> sh;
-    __shared__ int pairs[8 * NT], count, cursor[2];
+    constexpr int J = BF16_OUTS / 16;
     if (blockIdx.y >= *listed) return;
-    const int e = list[blockIdx.y], c0 = blockIdx.x * 32, g = threadIdx.x % MMA_WARP / 4;
+    const int e = list[blockIdx.y], c0 = blockIdx.x * BF16_OUTS;
     const bool w_aligned = (reinterpret_cast<unsigned long long>(down_w) % 16) == 0 && I % 8 == 0;
     const bool x_aligned = (reinterpret_cast<unsigned long long>(h) % 16) == 0 && I % 4 == 0;
-    const unsigned short* wrow[2][2];
+    const unsigned short* wrow[J][2];
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int c = c0 + 16 * j + 8 * hh + g;
-            wrow[j][hh] = c < D ? down_w + ((long long)e * D + c) * I : nullptr;
+    for (int j = 0; j < J; ++j) mma_rows(down_w + (long long)e * D * I, c0 + 16 * j, D, I, wrow[j]);
+    expert_passes<J, NT>(idx, t * k, e, wrow, h, 1, I, I, w_aligned, x_aligned,
+                         [&](int nr, const int* pairs, const auto& tile) {
+        for (int j = threadIdx.x; j < BF16_OUTS * nr; j += MMA_THREADS) {
+            const int m = j % BF16_OUTS, n = j / BF16_OUTS;
+            if (c0 + m < D) y[(long long)pairs[n] * D + c0 + m] = tile[m][n];
         }
-    if (threadIdx.x == 0) cursor[0] = 0;
-    __syncthreads();
-    int nr;
-    while ((nr = next_pairs(idx, t * k, e, 8 * NT, pairs, &count, cursor)) > 0) {
-        const float* xrow[NT];
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-            xrow[n] = 8 * n + g < nr ? h + (long long)pairs[8 * n + g] * I : nullptr;
-        mma_tile<2, NT>(wrow, xrow, I, w_aligned, x_aligned, sh);
-        for (int j = threadIdx.x; j < 32 * nr; j += MMA_THREADS) {
-            const int m = j % 32, n = j / 32;
-            if (c0 + m < D) y[(long long)pairs[n] * D + c0 + m] = sh.tile[m][n];
-        }
-    }
+    });
 }
 
 #define EXPERTS_BF16(NT)                                                                           \

@@ -125,16 +125,6 @@ extern "C" __global__ void argmax_rows(const float* x, long long* out, int n) {
     int at = 0x7fffffff;  // sentinel: loses every tie against a real index
     for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK)
         if (beats(xr[k], k, best, at)) { best = xr[k]; at = k; }
-    vals[threadIdx.x] = best;
-    idxs[threadIdx.x] = at;
-    __syncthreads();
-    for (int s = MEMRA_BLOCK / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s && beats(vals[threadIdx.x + s], idxs[threadIdx.x + s],
-                                     vals[threadIdx.x], idxs[threadIdx.x])) {
-            vals[threadIdx.x] = vals[threadIdx.x + s];
-            idxs[threadIdx.x] = idxs[threadIdx.x + s];
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) out[blockIdx.x] = idxs[0];
+    block_best(best, at, vals, idxs, beats);
+    if (threadIdx.x == 0) out[blockIdx.x] = at;
 }

@@ -1,4 +1,4 @@
-// Philox4x32-10 streams and exponential-race draws, word for word the host's memra/spec/philox.py.
+// Philox4x32-10 streams and exponential-race draws, word for word the host's memra/backend/philox.py.
 // Uniform i of stream (seed, counter, tag) = word i % 4 of philox(ctr = (i / 4, counter, tag, 0),
 // key = (seed lo, seed hi)), mapped to (w + 0.5) / 2^32. A draw from p is argmax_i p_i / E_i with
 // E_i = -log(u_i): token i wins with probability p_i; ties go to the lower index.
@@ -38,6 +38,11 @@ extern "C" __global__ void philox_uniforms(unsigned k0, unsigned k1, unsigned co
     if (i < n) out[i] = ((double)stream_word(i, k0, k1, counter, tag) + 0.5) / 4294967296.0;
 }
 
+// The race's order: the larger score first, equal scores to the lower index (-1: no candidate).
+static __device__ __forceinline__ bool race_before(double ob, long long oa, double b, long long a) {
+    return ob > b || (ob == b && oa >= 0 && oa < a);
+}
+
 // One block of MEMRA_BLOCK threads; thread t scans i = t, t + MEMRA_BLOCK, ... then a fixed tree.
 extern "C" __global__ void race_draw(const double* p, long long n, unsigned k0, unsigned k1,
                                      unsigned counter, unsigned tag, long long* out) {
@@ -50,19 +55,6 @@ extern "C" __global__ void race_draw(const double* p, long long n, unsigned k0, 
         const double s = p[i] / -log(u);
         if (s > b) { b = s; a = i; }
     }
-    best[threadIdx.x] = b;
-    arg[threadIdx.x] = a;
-    __syncthreads();
-    for (int s = MEMRA_BLOCK / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) {
-            const double ob = best[threadIdx.x + s];
-            const long long oa = arg[threadIdx.x + s];
-            if (ob > best[threadIdx.x] || (ob == best[threadIdx.x] && oa >= 0 && oa < arg[threadIdx.x])) {
-                best[threadIdx.x] = ob;
-                arg[threadIdx.x] = oa;
-            }
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) out[0] = arg[0];
+    block_best(b, a, best, arg, race_before);
+    if (threadIdx.x == 0) out[0] = a;
 }

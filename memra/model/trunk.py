@@ -15,14 +15,15 @@ import numpy as np
 
 from memra.config import KDA, ModelConfig
 from memra.errors import ContextOverflowError, InputError
+from memra.limits import VERIFY_CAP
 
-VERIFY_CAP = 15  # verify rows per walk: K + 1 <= 15, the decode-exact design constant
 from memra.model import hyper
 from memra.model.cache import Cache, VerifyCkpt
 from memra.model.kda import KdaMixer
 from memra.model.mla import MlaMixer
 from memra.model.moe import DenseMlp, Moe
 from memra.model.mtp import MtpBlock
+from memra.model.tokens import check_token_ids
 
 
 class TrunkLayer:
@@ -145,6 +146,36 @@ class Glm5Model:
         cache.pos = ckpt.pos + keep
         ckpt.spent = True
 
+    def rewind(self, cache: Cache, ckpt: VerifyCkpt) -> None:
+        """Put the cache back exactly where `ckpt`'s verify walk found it (cache.pos = ckpt.pos),
+        right after that walk or right after its rollback. For callers that measure or probe a
+        walk and must leave the sequence as it was (the benchmarks); a round always keeps its
+        anchor row and uses `rollback`. The KDA snapshots may be buffers the next walk of that
+        shape overwrites, so a later walk on the cache makes the checkpoint unusable here."""
+        if not isinstance(ckpt, VerifyCkpt) or ckpt.cache is not cache:
+            raise InputError("rewind: this checkpoint was not taken on this cache by verify_rows")
+        # untouched since: right after the walk every plane holds its t rows and pos has not
+        # moved; right after rollback pos moved 1..t rows and the planes sit at pos
+        kept = cache.pos - ckpt.pos
+        ends = {i: plane.length - ckpt.latent_len[i] for i, plane in cache.mla.items()}
+        fresh = not ckpt.spent and kept == 0 and all(e == ckpt.rows for e in ends.values())
+        rolled = ckpt.spent and 1 <= kept <= ckpt.rows and all(e == kept for e in ends.values())
+        if not (fresh or rolled):
+            raise InputError(
+                f"rewind: the checkpoint is stale (taken at position {ckpt.pos}, the cache is at "
+                f"{cache.pos}{', already rewound' if ckpt.spent and kept == 0 else ''}); rewind once, "
+                "right after its verify_rows or its rollback"
+            )
+        for layer in self.layers:
+            if layer.kind == KDA:
+                st, snap = cache.kda[layer.index], ckpt.kda[layer.index]
+                st.ring[...] = snap["ring"]
+                st.state[...] = snap["state"]
+            else:
+                cache.mla[layer.index].truncate(ckpt.latent_len[layer.index], self.cfg.index_kpool)
+        cache.pos = ckpt.pos
+        ckpt.spent = True
+
     # ---- the walk ----------------------------------------------------------------------------
     def forward_rows(self, tokens: np.ndarray, cache: Cache, stash: dict | None = None,
                      taps: dict | None = None, replay: bool = True):
@@ -212,24 +243,10 @@ class Glm5Model:
     def _check_tokens(self, token_ids, cache: Cache) -> np.ndarray:
         if not isinstance(cache, Cache) or cache.config != self.cfg:
             raise InputError("the cache was not made by this model: create it with model.new_cache(max_ctx)")
-        vocab = self.cfg.vocab_size
-        seq = np.atleast_1d(np.asarray(token_ids, dtype=object)) if not isinstance(token_ids, np.ndarray) else token_ids
-        if seq.ndim != 1 or seq.size == 0:
-            raise InputError("token ids must be a non-empty 1-D sequence of integers")
-        ids = []
-        for tok in seq.tolist():
-            if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
-                raise InputError(f"token ids must be integers, got {tok!r}")
-            tok = int(tok)
-            ids.append(tok)
-            if not 0 <= tok < vocab:
-                raise InputError(
-                    f"token id {tok} is outside the vocab 0..{vocab - 1}; check the tokenizer matches "
-                    "this checkpoint"
-                )
-        if cache.pos + seq.size > cache.max_ctx:
+        ids = check_token_ids(token_ids, self.cfg.vocab_size)
+        if cache.pos + len(ids) > cache.max_ctx:
             raise ContextOverflowError(
-                f"{seq.size} more tokens at position {cache.pos} would pass max_ctx "
+                f"{len(ids)} more tokens at position {cache.pos} would pass max_ctx "
                 f"{cache.max_ctx}; create the cache with a larger max_ctx"
             )
         return np.asarray(ids, dtype=np.int64)

@@ -16,8 +16,8 @@ sessions too) without confidences (the p_min gate stays off); no weights, no tar
 from __future__ import annotations
 
 import memra
-from memra.drafters.base import Proposal, RoundOutcome, SessionStart
 from memra.errors import InputError
+from memra.speculative.contract import Proposal, RoundOutcome, SessionStart
 
 __version__ = "0.1.0"
 

@@ -39,14 +39,22 @@ def make_norm(shape, weighted=True, bias=False):
     return make
 
 
+def make_rows(**shapes):
+    """Row inputs only, N(0, std): `make_rows(x=(2, 32, 1.0))` draws x [t, 2, 32] with std 1."""
+    def make(rng, t):
+        return {k: normal(rng, (t, *s[:-1]), s[-1]) for k, s in shapes.items()}, {}
+    return make
+
+
 def mismatched_rows(full: tuple, alone: list[tuple]) -> list[tuple[int, int]]:
     """(row, output index) pairs where row r of the t-row outputs (host arrays) is not
-    bit-identical to the row computed alone. Shapes and dtypes must agree too."""
+    bit-identical to the row computed alone: compared as bytes, so -0.0 differs from 0.0.
+    Shapes and dtypes must agree too."""
     bad = []
     for r, single in enumerate(alone):
         assert len(single) == len(full)
         for i, (a, b) in enumerate(zip(full, single)):
-            assert b.shape[0] == 1 and a.dtype == b.dtype, (a.dtype, b.dtype, b.shape)
-            if not np.array_equal(a[r], b[0]):
+            assert b.shape == (1, *a.shape[1:]) and a.dtype == b.dtype, (a.dtype, b.dtype, a.shape, b.shape)
+            if a[r].tobytes() != b[0].tobytes():
                 bad.append((r, i))
     return bad

@@ -218,7 +218,8 @@ def test_row_table_covers_every_row_op_of_the_backend():
     """A new backend op must join the table (or be listed here as having no row axis)."""
     no_row_axis = {"asarray", "weight", "matrix", "zeros", "to_host", "concat", "contiguous", "copy", "race_draw",
                    "name", "position", "walks",
-                   "write_rows", "kpool_finalize",  # plane writes: tests/backend/test_plane_writes.py
+                   "xp", "compiles_on_first_use", "device_name", "synchronize",  # capabilities
+                   "write_rows", "kpool_finalize",  # plane writes: tests/model/test_plane_writes.py
                    "short_conv", "kda_recurrence"}  # the stateful table below
     ops = {n for n in dir(NumpyBackend) if not n.startswith("_")}
     covered = {c.name for c in ROW_CASES}

@@ -63,13 +63,12 @@ def test_weight_bytes_with_every_expert_is_every_trunk_tensor_once():
     assert everything["total"] - picked["total"] == moe_layer_count(model) * unpicked * expert
 
 
-def test_undo_puts_the_cache_back_so_plain_decode_follows_the_tape():
+def test_verify_times_leaves_the_cache_where_it_was_so_plain_decode_follows_the_tape():
     model = build_model("small", "numpy")
     cache, anchor = prime_context(model, 16, 32, seed=0)
     tape = bench_verify.greedy_tape(model, cache, anchor, 6)
-    _, _, ckpt = model.verify_rows(tape, cache)
-    model.rollback(cache, ckpt, 1)
-    bench_verify.undo(cache, ckpt)
+    verify, rollback = common.verify_times(model, cache, tape, reps=2)
+    assert len(verify) == len(rollback) == 2 and min(verify + rollback) > 0
     assert cache.pos == 16
     token = anchor
     for expected in tape[1:]:
@@ -81,8 +80,8 @@ def test_counted_launches_counts_every_cuda_module_and_restores_them(monkeypatch
     calls = []
     runtime = types.SimpleNamespace(launch=lambda family, name, *args: calls.append(name))
     dense = types.SimpleNamespace(launch=runtime.launch)
-    monkeypatch.setitem(sys.modules, "memra.backend.cuda_runtime", runtime)
-    monkeypatch.setitem(sys.modules, "memra.backend.cuda_dense", dense)
+    monkeypatch.setitem(sys.modules, "memra.backend.cuda.runtime", runtime)
+    monkeypatch.setitem(sys.modules, "memra.backend.cuda.dense", dense)
     with counted_launches() as counts:
         dense.launch("dense", "linear_bf16_t1", (1,), (256,), ())
         dense.launch("norm", "rmsnorm_rows", (1,), (256,), ())
@@ -93,7 +92,7 @@ def test_counted_launches_counts_every_cuda_module_and_restores_them(monkeypatch
 
 
 def test_counted_launches_yields_none_without_kernels(monkeypatch):
-    monkeypatch.delitem(sys.modules, "memra.backend.cuda_runtime", raising=False)
+    monkeypatch.delitem(sys.modules, "memra.backend.cuda.runtime", raising=False)
     with counted_launches() as counts:
         assert counts is None
 

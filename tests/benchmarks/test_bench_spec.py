@@ -51,7 +51,7 @@ def test_expected_tokens_per_round_is_the_geometric_sum():
 def plain_tape(model, n: int) -> list[int]:
     cache, anchor = prime_context(model, 16, n, seed=0)
     tape: list[int] = []
-    _, last = greedy_steps(model, cache, anchor, n, cuda=False, tape=tape)
+    _, last = greedy_steps(model, cache, anchor, n, tape=tape)
     return tape + [last]
 
 
@@ -59,7 +59,7 @@ def test_a_session_on_the_plain_tape_passes_the_identity_check():
     model = build_model("small", "numpy")
     tape, prompt = plain_tape(model, 12), random_tokens(model.cfg, 16, 0)
     source = bench_spec.TapeSource(tape, 0.7, model.cfg.vocab_size, seed=0)
-    _, metrics = bench_spec.spec_run(model, prompt, source, tape, 8, 3, cuda=False)
+    _, metrics = bench_spec.spec_run(model, prompt, source, tape, 8, 3)
     assert metrics.rounds > 0
 
 
@@ -70,4 +70,4 @@ def test_output_off_the_tape_voids_the_run():
     wrong = tape[:4] + [(tape[4] + 1) % model.cfg.vocab_size] + tape[5:]
     source = bench_spec.TapeSource(wrong, 1.0, model.cfg.vocab_size, seed=0)
     with pytest.raises(MemraError, match="left the plain tape at token 4"):
-        bench_spec.spec_run(model, prompt, source, wrong, 8, 3, cuda=False)
+        bench_spec.spec_run(model, prompt, source, wrong, 8, 3)

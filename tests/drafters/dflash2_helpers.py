@@ -3,6 +3,7 @@
 import os
 
 import numpy as np
+
 from memra.config import preset
 from memra.drafters.dflash2 import write_fixture_drafter
 from memra.safetensors_io import bf16_to_f32, read_safetensors, write_safetensors

@@ -13,11 +13,11 @@ import pytest
 import memra
 from memra.config import preset
 from memra.drafters.dflash2 import DFlash2Source, write_fixture_drafter
+from memra.drafters.dflash2.window import ladder_vt
 from memra.errors import CheckpointError, InputError, MemraError
-from memra.generate import generate, greedy
-from memra.spec.sampling import SamplingParams, SparseQ
-from memra.spec.session import GateInstruments, SpecSession
-from memra.spec.window import ladder_vt
+from memra.generate import generate
+from memra.speculative.contract import SamplingParams, SparseQ
+from memra.speculative.session import GateInstruments, SpecSession
 
 MODELS = (("mini", 0), ("small", 13))
 TAPS = {"mini": (0, 2), "small": (0, 2, 4)}     # room for the +1 tap shift in both trunks
@@ -61,7 +61,7 @@ def prompt(model):
 
 @pytest.fixture(scope="module")
 def tape(model, prompt):
-    return greedy(model, prompt, 64, max_ctx=MAX_CTX)
+    return generate(model, prompt, 64).tokens
 
 
 def run(session, n: int, k: int) -> list[int]:

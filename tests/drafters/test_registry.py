@@ -8,12 +8,12 @@ import pytest
 import memra
 from memra import load_model
 from memra.drafters import builtin, registry
-from memra.drafters.base import Proposal
 from memra.drafters.hookspecs import hookimpl
 from memra.drafters.native_mtp import NativeMtpSource
 from memra.errors import InputError
 from memra.generate import generate
 from memra.run import main
+from memra.speculative.contract import Proposal
 
 NGRAM_INSTALLED = any(ep.name == "ngram" for ep in importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP))
 needs_ngram = pytest.mark.skipif(not NGRAM_INSTALLED, reason="pip install -e plugins/memra-ngram first")

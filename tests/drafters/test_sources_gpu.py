@@ -14,8 +14,8 @@ from memra import load_model  # noqa: E402
 from memra.config import preset  # noqa: E402
 from memra.drafters.dflash2 import DFlash2Source, write_fixture_drafter  # noqa: E402
 from memra.drafters.registry import list_draft_sources  # noqa: E402
-from memra.generate import generate, greedy  # noqa: E402
-from memra.spec.session import SpecSession  # noqa: E402
+from memra.generate import generate  # noqa: E402
+from memra.speculative.session import SpecSession  # noqa: E402
 
 MODELS = (("mini", 0, (0, 2)), ("small", 13, (0, 2, 4)))
 N = 24
@@ -30,7 +30,7 @@ def setup(request, fixture_dir, tmp_path_factory):
     rng = np.random.default_rng(7)
     motif = [int(t) for t in rng.integers(0, model.cfg.vocab_size, 6)]
     prompt = [int(t) for t in rng.integers(0, model.cfg.vocab_size, 12)] + motif * 3  # room for n-gram hits
-    return model, drafter, prompt, greedy(model, prompt, N)
+    return model, drafter, prompt, generate(model, prompt, N).tokens
 
 
 @pytest.mark.parametrize("k", range(1, 8))

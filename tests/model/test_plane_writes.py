@@ -1,6 +1,7 @@
 """The plane writes a walk makes at its position (write_rows, kpool_finalize) and the tripwires
 around them, on the numpy reference. The CUDA twins take the position from a device buffer so
-a captured graph can replay them (tests/backend/test_cuda_sparse.py, test_walk_graphs.py)."""
+a captured graph can replay them (tests/backend/test_cuda_dense.py and test_cuda_mla.py,
+tests/model/test_walk_graphs.py)."""
 
 import numpy as np
 import pytest

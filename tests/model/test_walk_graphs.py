@@ -20,8 +20,8 @@ pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
 from memra import load_model  # noqa: E402
-from memra.backend.cuda_graphs import WalkGraphs  # noqa: E402
-from tests.spec.battery import live_state  # noqa: E402
+from memra.backend.cuda.graphs import WalkGraphs  # noqa: E402
+from tests.speculative.battery import live_state  # noqa: E402
 
 STEPS = 40  # from position 9: ten pool boundaries (P = 4) and the dense -> sparse switch
 

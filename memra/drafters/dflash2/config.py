@@ -21,8 +21,8 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
-from memra.drafters.dflash2.rope import yarn_attention_factor
 from memra.config import read_config_json
+from memra.drafters.dflash2.rope import yarn_attention_factor
 from memra.errors import CheckpointError, ConfigError
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -6,7 +6,7 @@
   slot 0, then the chain). w1 and w2 are [V, rank].
 * Confidence head (trained accept-rate score): raw_k = b + w . [hidden_k ; w1[prev_k]] (the
   markov embedding part only when the head was trained with it), pre-sigmoid. It feeds the
-  verify-window policies (memra.spec.window); it never touches which tokens are drafted.
+  verify-window policies (memra.drafters.dflash2.window); it never touches which tokens are drafted.
 
     markov = MarkovHead(draft.markov_w1, draft.markov_w2)
     walk = selector.walk(logits, hidden, anchor, row_bias=markov.row_bias)

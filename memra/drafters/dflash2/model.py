@@ -69,14 +69,6 @@ class _Layer:
         self.mlp_base, self.mlp_proj = dev(p + "mlp_conv.base_kernel"), dev(p + "mlp_conv.kernel_projection.weight")
 
 
-def _array_module(be):
-    if be.name == "cuda":
-        import cupy
-
-        return cupy
-    return np
-
-
 def _check_target(cfg: DflashConfig, target_cfg) -> None:
     for key in ("hidden_size", "vocab_size"):
         mine, theirs = getattr(cfg, key), getattr(target_cfg, key)
@@ -94,7 +86,7 @@ class DflashDraft:
     def __init__(self, cfg: DflashConfig, tensors: dict, target_model, precision: str, mask_embedding=None):
         self.cfg, self.target, self.precision = cfg, target_model, precision
         self.be = target_model.be
-        xp = self.xp = _array_module(self.be)
+        xp = self.xp = self.be.xp
         dev = lambda name: xp.asarray(tensors[name], dtype=F32)  # noqa: E731
         self.layers = [_Layer(dev, i) for i in range(cfg.num_hidden_layers)]
         self.fc, self.hidden_norm, self.norm = dev("fc.weight"), dev("hidden_norm.weight"), dev("norm.weight")

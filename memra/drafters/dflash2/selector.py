@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memra.errors import ConfigError, InputError
-from memra.spec.sampling import SparseQ
+from memra.speculative.contract import SparseQ
 
 
 def to_host(a) -> np.ndarray:

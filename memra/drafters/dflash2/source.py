@@ -15,7 +15,7 @@ Options (`draft_options`):
   precision      weight precision of the drafter, default "bf16" (see dflash2.model)
   harvest        "dflash" | "dspark"; default: the checkpoint's training-strategy census
   window         "ladder" | "confidence" | "confidence-slot"; default: confidence-slot when the
-                 checkpoint has a confidence head, else the ladder (memra.spec.window)
+                 checkpoint has a confidence head, else the ladder (memra.drafters.dflash2.window)
   tau            confidence threshold in (0, 1), default 0.5
   adapt          False pins the ladder window at its cap
   mask_embedding an [H] vector (or an .npy / .safetensors file) replacing the mask token's embedding
@@ -32,12 +32,17 @@ import os
 
 import numpy as np
 
-from memra.drafters.base import Proposal, RoundOutcome, SessionStart
 from memra.drafters.dflash2.harvest import Harvest, resolve_harvest
 from memra.drafters.dflash2.heads import ConfidenceHead, MarkovHead
 from memra.drafters.dflash2.selector import Selector
+from memra.drafters.dflash2.window import (
+    VerifyWindow,
+    WindowPolicy,
+    resolve_window,
+    sigmoid,
+)
 from memra.errors import ConfigError, InputError
-from memra.spec.window import VerifyWindow, WindowPolicy, resolve_window, sigmoid
+from memra.speculative.contract import Proposal, RoundOutcome, SessionStart
 
 OPTIONS = ("path", "precision", "harvest", "window", "tau", "adapt", "mask_embedding", "tap_shift")
 INGEST_CHUNK = 256   # context rows per fc + K/V projection call: bounds the transient memory

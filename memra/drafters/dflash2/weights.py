@@ -22,7 +22,13 @@ import numpy as np
 
 from memra.drafters.dflash2.quant import PRECISIONS, QK, held_values
 from memra.errors import CheckpointError, InputError
-from memra.safetensors_io import SUPPORTED_DTYPES, bf16_to_f32, read_header, read_safetensors, read_tensors
+from memra.safetensors_io import (
+    SUPPORTED_DTYPES,
+    bf16_to_f32,
+    read_header,
+    read_safetensors,
+    read_tensors,
+)
 
 WEIGHTS_FILE = "model.safetensors"
 _BLOCKWISE = ("q8_0", "q4_0")

@@ -3,8 +3,8 @@
 import pytest
 from memra_ngram import NgramSource, lookup
 
-from memra.drafters.base import RoundOutcome, SessionStart
 from memra.errors import InputError
+from memra.speculative.contract import RoundOutcome, SessionStart
 
 
 @pytest.mark.parametrize("context, k, n, min_n, want", [

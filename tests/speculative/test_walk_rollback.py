@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from memra.errors import InputError, ResidencyError
-from memra.model.trunk import VERIFY_CAP
+from memra.limits import VERIFY_CAP
 
 from .battery import (
     POOL,

@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from memra.generate import generate
-from memra.spec.accept import conf_keep, greedy_accept
-from memra.spec.metrics import SpecMetrics
-from memra.spec.session import GateInstruments
+from memra.speculative.accept import conf_keep, greedy_accept
+from memra.speculative.metrics import SpecMetrics
+from memra.speculative.session import GateInstruments
 
 from .battery import (
     model_fixture,

@@ -19,8 +19,8 @@ import pytest
 import memra
 from memra.drafters.registry import load_drafter
 from memra.errors import MemraError
-from memra.generate import greedy
-from memra.spec.session import GateInstruments, SpecSession
+from memra.generate import generate
+from memra.speculative.session import GateInstruments, SpecSession
 
 MODELS = (("mini", 0), ("small", 13))
 PROMPT_LEN = 24   # past the kpool dense threshold (11 tokens): verify walks run sparse
@@ -54,7 +54,7 @@ def primed(model, prompt, max_ctx: int = MAX_CTX):
 
 
 def plain_tape(model, prompt, n: int) -> list[int]:
-    return greedy(model, prompt, n, max_ctx=MAX_CTX)
+    return generate(model, prompt, n).tokens
 
 
 # ---- plain chains: the never-drafted reference --------------------------------------------------

@@ -1,9 +1,9 @@
 """The CUDA backend: the NumpyBackend interface, every op a hand-written .cu kernel.
 
-Op families live in mixins beside this file (one per kernels_cu/*.cu family); this class
-composes them and owns device memory. Projection matrices keep their stored precision (bf16
+Op families live in mixins beside this file: backend/cuda/X.py launches kernels_cu/X.cu and
+nothing else. This class composes them and owns device memory. Projection matrices keep their stored precision (bf16
 stays bf16 and runs on tensor cores against exact bf16 pieces of the activations); everything
-else is float32 on the device. Decode and verify walks replay CUDA graphs (cuda_graphs.py)
+else is float32 on the device. Decode and verify walks replay CUDA graphs (graphs.py)
 unless the backend is made with graphs=False.
 """
 
@@ -13,20 +13,35 @@ import numpy as np
 
 import cupy as cp
 
-from memra.backend.cuda_dense import MAX_GRID, DenseOps
-from memra.backend.cuda_graphs import WalkGraphs
-from memra.backend.cuda_recurrent import RecurrentOps
-from memra.backend.cuda_runtime import BLOCK, check, i32, launch, position
-from memra.backend.cuda_sampling import SamplingOps
-from memra.backend.cuda_sparse import SparseOps
+from memra.backend.cuda.dense import DenseOps
+from memra.backend.cuda.graphs import WalkGraphs
+from memra.backend.cuda.hyper import HyperOps
+from memra.backend.cuda.kda import KdaOps
+from memra.backend.cuda.mla import MlaOps
+from memra.backend.cuda.moe import MoeOps
+from memra.backend.cuda.norm import NormOps
+from memra.backend.cuda.philox import PhiloxOps
+from memra.backend.cuda.runtime import position
 from memra.safetensors_io import bf16_to_f32
 
 
-class CudaBackend(DenseOps, RecurrentOps, SparseOps, SamplingOps):
+class CudaBackend(DenseOps, NormOps, HyperOps, KdaOps, MlaOps, MoeOps, PhiloxOps):
     name = "cuda"
+    xp = cp
+    compiles_on_first_use = True  # runtime.module: NVRTC builds each family on its first launch
 
     def __init__(self, graphs: bool = True):
         self.graphs = graphs
+
+    def device_name(self) -> str:
+        try:
+            name = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["name"]
+            return name.decode() if isinstance(name, bytes) else str(name)
+        except Exception:  # a name is a nicety; never fail a finished run over it
+            return "cuda"
+
+    def synchronize(self) -> None:
+        cp.cuda.Device().synchronize()
 
     def position(self, pos0: int):
         return position(pos0)
@@ -61,17 +76,3 @@ class CudaBackend(DenseOps, RecurrentOps, SparseOps, SamplingOps):
 
     def concat(self, arrays, axis: int = -1):
         return cp.ascontiguousarray(cp.concatenate(arrays, axis=axis))
-
-    def write_rows(self, dst, src, at):
-        """dst[at:at + t] = src [t, W] in place (a state plane's next rows); `at` a host int or
-        the walk's device position (cuda_runtime.position)."""
-        check(dst, cp.float32, "dst")
-        check(src, cp.float32, "src")
-        assert dst.ndim == 2 and src.ndim == 2 and src.shape[1] == dst.shape[1], (
-            f"write_rows: src {src.shape} into dst {dst.shape}")
-        if not isinstance(at, cp.ndarray):
-            assert at + src.shape[0] <= dst.shape[0], f"write_rows: rows {at}+{src.shape[0]} past {dst.shape[0]}"
-        if src.size:
-            grid = min((src.size + BLOCK - 1) // BLOCK, MAX_GRID)
-            launch("dense", "write_rows", (grid,), (BLOCK,),
-                   (src, dst, np.int64(src.size), position(at), i32(dst.shape[1])))

@@ -15,15 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memra.drafters.base import RoundOutcome, SessionStart
 from memra.errors import InputError
-from memra.model.trunk import VERIFY_CAP
-from memra.spec.accept import conf_keep, greedy_accept
-from memra.spec.metrics import SpecMetrics
-from memra.spec.sampling import (DraftSampling, SampleStreams, SamplingParams, accept_walk, filtered_probs,
-                                 refuse_penalties)
-
-MAX_K = VERIFY_CAP - 1
+from memra.limits import MAX_K, MIN_SESSION_ROOM, VERIFY_CAP, round_fits
+from memra.model.tokens import check_token_ids
+from memra.speculative.accept import conf_keep, greedy_accept
+from memra.speculative.contract import RoundOutcome, SessionStart
+from memra.speculative.metrics import SpecMetrics
+from memra.speculative.sampling import (DraftSampling, SampleStreams, SamplingParams, accept_walk, filtered_probs,
+                                        refuse_penalties)
 
 
 @dataclass
@@ -38,11 +37,11 @@ class GateInstruments:
 class SpecSession:
     def __init__(self, model, prompt_ids, drafter, max_ctx: int, p_min: float = 0.0, pmin0: bool = False,
                  instruments: GateInstruments | None = None, sampling: SamplingParams | None = None):
-        prompt = [int(t) for t in prompt_ids] if not isinstance(prompt_ids, np.ndarray) else prompt_ids.tolist()
+        prompt = check_token_ids(prompt_ids, model.cfg.vocab_size, "prompt token id")
         if len(prompt) < 2:
             raise InputError("speculative decoding needs a prompt of >= 2 tokens (the draft warms on "
                              "(token[i+1], hidden[i]) pairs)")
-        if len(prompt) + 4 > max_ctx:
+        if len(prompt) + MIN_SESSION_ROOM > max_ctx:
             raise InputError(f"max_ctx {max_ctx} leaves no room for the prompt ({len(prompt)}) plus one "
                              "verify round; raise max_ctx")
         refuse_penalties(sampling)
@@ -75,6 +74,8 @@ class SpecSession:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= bound:
             raise InputError(f"k={k!r} drafts per round is outside 1..={bound} (verify rows = k + 1 "
                              f"must stay <= {VERIFY_CAP}, and this draft source makes at most {bound})")
+        eos = check_token_ids(eos, self.model.cfg.vocab_size, "EOS id", fix="pass ids of this model's vocab",
+                              allow_empty=True)
         out, self.undelivered = self.undelivered, []
         drafted = accepted = 0
         if not self.anchor_emitted:
@@ -82,7 +83,7 @@ class SpecSession:
             self.anchor_emitted = True
             self.done = self.anchor in eos
         while len(out) < target and not self.done:
-            if self.cache.pos + k + 2 > self.cache.max_ctx:
+            if not round_fits(self.cache.pos, k, self.cache.max_ctx):
                 self.done = True
                 break
             try:
@@ -146,12 +147,10 @@ class SpecSession:
     def _drafts(self, k: int):
         """The round's drafts and their q (None = point mass), after the gates."""
         prop = self.state.propose(k, self.draft_sampling)
-        drafts = [int(t) for t in prop.tokens][:k]
+        drafts = check_token_ids(list(prop.tokens)[:k], self.model.cfg.vocab_size, "draft token id",
+                                 fix="the draft source must draft this model's ids (was it made for another "
+                                     "model?)", allow_empty=True)
         q = prop.q
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in drafts if not 0 <= t < vocab]
-        if bad:
-            raise InputError(f"the draft source proposed token {bad[0]} outside the vocab 0..{vocab - 1}")
         if prop.confidences is not None and self.p_min > 0:
             drafts = drafts[:conf_keep(prop.confidences[:len(drafts)], self.p_min, self.pmin0)]
         if q is not None:

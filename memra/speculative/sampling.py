@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memra.backend.philox import host_u01
 from memra.errors import InputError
-from memra.spec.philox import host_u01
-
 
 MIN_TEMPERATURE = 1e-6  # below it logits / T overflows: use 0 for greedy
 
@@ -127,43 +126,6 @@ class DraftSampling:
 
     def draw(self, probs) -> int:
         return self.streams.draw(probs)
-
-
-# ---- the draft's q -----------------------------------------------------------------------------
-
-@dataclass
-class DenseQ:
-    """Per-slot draft distributions over the full vocab (float64 [n, V])."""
-
-    rows: np.ndarray
-
-    def prob(self, j: int, token: int) -> float:
-        return float(self.rows[j, token])
-
-    def full(self, j: int, vocab: int) -> np.ndarray:
-        return self.rows[j]
-
-    def truncate(self, n: int) -> "DenseQ":
-        return DenseQ(self.rows[:n])
-
-
-@dataclass
-class SparseQ:
-    """Per-slot candidate sets: ids [n, K] with their conditional probabilities [n, K]."""
-
-    cand: np.ndarray
-    q_rows: np.ndarray
-
-    def prob(self, j: int, token: int) -> float:
-        return float(np.sum(self.q_rows[j][self.cand[j] == token]))
-
-    def full(self, j: int, vocab: int) -> np.ndarray:
-        row = np.zeros(vocab)
-        np.add.at(row, np.asarray(self.cand[j], dtype=np.int64), np.asarray(self.q_rows[j], dtype=np.float64))
-        return row
-
-    def truncate(self, n: int) -> "SparseQ":
-        return SparseQ(self.cand[:n], self.q_rows[:n])
 
 
 def point_mass_full(token: int, vocab: int) -> np.ndarray:

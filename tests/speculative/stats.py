@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from memra.spec.philox import MASK32, TAG_ACCEPT, TAG_DRAW, philox4x32_10, to_unit
-from memra.spec.sampling import SampleStreams
+from memra.backend.philox import MASK32, TAG_ACCEPT, TAG_DRAW, philox4x32_10, to_unit
+from memra.speculative.sampling import SampleStreams
 
 ALPHA = 1e-4  # per test; at most three tests per test function, so a correct build fails < 1e-3
 V = 8

@@ -27,14 +27,14 @@ import numpy as np
 import pytest
 
 import memra
-from memra.drafters.base import Proposal
+from memra.backend.philox import TAG_ACCEPT, TAG_DRAW
 from memra.drafters.registry import list_draft_sources, load_drafter
 from memra.errors import InputError
 from memra.generate import generate
-from memra.spec import sampling as sampling_mod
-from memra.spec.philox import TAG_ACCEPT, TAG_DRAW
-from memra.spec.sampling import DenseQ, SamplingParams, SparseQ, filtered_probs
-from memra.spec.session import SpecSession
+from memra.speculative import sampling as sampling_mod
+from memra.speculative.contract import DenseQ, Proposal, SparseQ
+from memra.speculative.sampling import SamplingParams, filtered_probs
+from memra.speculative.session import SpecSession
 
 from .stats import ReplayBackend, StreamTable, assert_fits, grouped_fit
 
@@ -100,7 +100,7 @@ def test_the_session_walks_the_filtered_rows_and_the_q_it_drew_from(mini, monkey
         draws.append((np.array(probs), token))
         return token
 
-    monkeypatch.setattr("memra.spec.session.accept_walk", walk_spy)
+    monkeypatch.setattr("memra.speculative.session.accept_walk", walk_spy)
     monkeypatch.setattr(sampling_mod.DraftSampling, "draw", draw_spy)
     sp = SamplingParams(temperature=0.9, top_k=5, top_p=0.95, seed=4)
     session = SpecSession(mini, PROMPT, load_drafter("native-mtp", mini), 64, sampling=sp)

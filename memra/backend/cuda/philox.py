@@ -1,6 +1,7 @@
-"""Sampling draws on the device: Philox4x32-10 streams and exponential races (philox.cu).
+"""The sampling family of the CUDA backend (kernels_cu/philox.cu): Philox4x32-10 streams and
+exponential-race draws on the device.
 
-The host twin lives in memra/spec/philox.py; both address a stream by (seed, counter, tag)
+The host twin lives in memra/backend/philox.py; both address a stream by (seed, counter, tag)
 and produce the same words, so a draw is the same token whichever backend makes it.
 """
 
@@ -10,15 +11,15 @@ import numpy as np
 
 import cupy as cp
 
-from memra.backend.cuda_runtime import BLOCK, launch
-from memra.spec.philox import MASK32, TAG_DRAW
+from memra.backend.cuda.runtime import BLOCK, launch
+from memra.backend.philox import MASK32, TAG_DRAW
 
 
 def _key(seed: int):
     return np.uint32(seed & MASK32), np.uint32((seed >> 32) & MASK32)
 
 
-class SamplingOps:
+class PhiloxOps:
     def philox_block(self, ctr, key) -> np.ndarray:
         """The raw 10-round bijection of one counter block (for known-answer tests)."""
         out = cp.empty(4, cp.uint32)

@@ -1,5 +1,7 @@
-"""The device sampling twin (SamplingOps: kernels_cu/philox.cu) against the host (spec/philox.py).
+"""The Philox family on the GPU (PhiloxOps, backend/cuda/philox.py -> kernels_cu/philox.cu) against
+its host twin (memra/backend/philox.py) and NumpyBackend.race_draw.
 
+Streams, not rows, so no row table: this file pins the twins one by one.
 * known answers: the Random123 `philox4x32 10` kat vectors through the device bijection;
 * streams: device uniforms == host uniforms bit for bit (the map (w + 0.5) / 2^32 is exact in
   float64), for n below, at and past a block, and not a multiple of 4;
@@ -10,9 +12,10 @@
   Dirichlets, so such near-ties have probability ~1e-13 over the whole table; exact ties in p
   (uniform rows) are still decided by the distinct u_i, and zero entries never win. Zero
   mismatches are allowed.
-* a sampled spec run on CUDA is reproducible (same seed twice -> same tokens). Token equality
-  with the numpy backend is not asked: the logits differ within tolerance.
-Run on the GPU host: python3 -m pytest -m gpu tests/backend/test_cuda_sampling.py
+* a sampled spec run on CUDA (device draws through the whole engine) is reproducible (same seed
+  twice -> same tokens). Token equality with the numpy backend is not asked: the logits differ
+  within tolerance.
+Run on the GPU host: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/backend/test_cuda_philox.py
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
 from memra import load_model  # noqa: E402
-from memra.backend.cuda import CudaBackend  # noqa: E402
+from memra.backend.cuda.philox import PhiloxOps  # noqa: E402
 from memra.backend.numpy_ref import NumpyBackend  # noqa: E402
+from memra.backend.philox import TAG_ACCEPT, TAG_DRAW, philox4x32_10, uniforms  # noqa: E402
 from memra.generate import generate  # noqa: E402
-from memra.spec.philox import TAG_ACCEPT, TAG_DRAW, philox4x32_10, uniforms  # noqa: E402
-from memra.spec.sampling import SamplingParams  # noqa: E402
+from memra.speculative.sampling import SamplingParams  # noqa: E402
+from tests.backend.harness import assert_same_signature  # noqa: E402
 
 KAT = [  # Random123 kat_vectors, philox4x32 10: (ctr, key) -> out
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
@@ -42,7 +46,15 @@ KAT = [  # Random123 kat_vectors, philox4x32 10: (ctr, key) -> out
 
 @pytest.fixture(scope="module")
 def be():
-    return CudaBackend()
+    return PhiloxOps()
+
+
+def test_every_device_op_has_its_host_twin_signature(be):
+    """race_draw is NumpyBackend's; philox_block and philox_uniforms mirror backend/philox.py."""
+    assert {n for n in dir(PhiloxOps) if not n.startswith("_")} == {"philox_block", "philox_uniforms", "race_draw"}
+    assert_same_signature(PhiloxOps.race_draw, NumpyBackend.race_draw)
+    assert_same_signature(be.philox_block, philox4x32_10)
+    assert_same_signature(be.philox_uniforms, uniforms)
 
 
 @pytest.mark.parametrize("ctr, key, want", KAT, ids=["zeros", "ones", "pi"])

@@ -32,14 +32,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memra.backend.numpy_ref import NumpyBackend
-from memra.spec.philox import TAG_ACCEPT, TAG_DRAW, host_u01, uniforms
-from memra.spec.sampling import DenseQ, SampleStreams, SparseQ, accept_walk
+from memra.backend.philox import TAG_ACCEPT, TAG_DRAW, host_u01, uniforms
+from memra.speculative.contract import DenseQ, SparseQ
+from memra.speculative.sampling import SampleStreams, accept_walk
 
 from .stats import (
     ALPHA,
-    V,
     ReplayStreams,
     StreamTable,
+    V,
     assert_fits,
     chi2_critical,
     chi2_power,

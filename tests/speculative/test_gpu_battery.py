@@ -15,8 +15,8 @@ cp = cupy_or_skip()
 from memra import load_model  # noqa: E402
 from memra.drafters.registry import load_drafter  # noqa: E402
 from memra.errors import MemraError, ResidencyError  # noqa: E402
-from memra.generate import generate, greedy  # noqa: E402
-from memra.spec.session import GateInstruments, SpecSession  # noqa: E402
+from memra.generate import generate  # noqa: E402
+from memra.speculative.session import GateInstruments, SpecSession  # noqa: E402
 
 K = 7
 PLEN = 28  # past the kpool dense threshold (11)
@@ -66,7 +66,7 @@ def test_a_accept_j_then_continue_equals_the_never_drafted_chain(model, j):
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 7, 14])
 def test_e_spec_tape_equals_plain_tape(model, k):
     prompt = _prompt(model)
-    plain = greedy(model, prompt, 24)
+    plain = generate(model, prompt, 24).tokens
     assert generate(model, prompt, 24, draft="native-mtp", num_draft_tokens=k).tokens == plain
 
 
@@ -83,7 +83,7 @@ def _run(session, n):
 
 def test_e_forced_full_accept_and_rejection_sweep(model):
     prompt = _prompt(model)
-    longer = greedy(model, prompt, 30 + 2 * K + 2)  # the truth a last, overshooting round needs
+    longer = generate(model, prompt, 30 + 2 * K + 2).tokens  # the truth a last, overshooting round needs
     plain = longer[:30]
 
     def truth(session, i):
@@ -133,7 +133,7 @@ def test_red_unclamped_pool_keys_trip_the_residency_wire(model):
 
 def test_red_rollback_disabled_breaks_the_tape_or_fails_loudly(model):
     prompt = _prompt(model)
-    plain = greedy(model, prompt, 30)
+    plain = generate(model, prompt, 30).tokens
     session = _session(model, prompt, GateInstruments(disable_rollback=True))
     session.instruments.draft_override = lambda rnd, i, d: (d + 1) % model.cfg.vocab_size
     try:

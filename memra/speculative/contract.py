@@ -1,9 +1,11 @@
-"""The draft-source interface: what the source-blind spec core talks to.
+"""The draft-source contract: every type the core and a draft source exchange, in one import.
 
 A *source* is loaded once per model (`load(model, options)` -> drafter); a drafter opens one
 *state* per session (`begin(start)`); each round the core asks the state for a `Proposal`
 (`propose(k, sampling)`) and afterwards tells it what was committed (`commit(outcome)`).
 The core never looks inside: a source can only change how fast tokens come, never which.
+
+    from memra.speculative.contract import Proposal
 
     class EchoSource:                       # drafts the last committed token again
         name, max_k = "echo", 14
@@ -14,6 +16,9 @@ The core never looks inside: a source can only change how fast tokens come, neve
         def __init__(self, last): self.last = last
         def propose(self, k, sampling): return Proposal(tokens=[self.last] * k)
         def commit(self, outcome): self.last = outcome.bonus
+
+The q side of a proposal is one of three kinds: `DenseQ` (per-slot distributions over the full
+vocab), `SparseQ` (per-slot candidate sets) or None (a point mass at each draft).
 """
 
 from __future__ import annotations
@@ -21,13 +26,56 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
+from memra.limits import MAX_K
+from memra.speculative.sampling import DraftSampling, SamplingParams
+
+__all__ = ["Proposal", "SessionStart", "RoundOutcome", "DraftState", "Drafter", "DenseQ", "SparseQ",
+           "DraftSampling", "SamplingParams", "MAX_K"]
+
+
+@dataclass
+class DenseQ:
+    """Per-slot draft distributions over the full vocab (float64 [n, V])."""
+
+    rows: np.ndarray
+
+    def prob(self, j: int, token: int) -> float:
+        return float(self.rows[j, token])
+
+    def full(self, j: int, vocab: int) -> np.ndarray:
+        return self.rows[j]
+
+    def truncate(self, n: int) -> "DenseQ":
+        return DenseQ(self.rows[:n])
+
+
+@dataclass
+class SparseQ:
+    """Per-slot candidate sets: ids [n, K] with their conditional probabilities [n, K]."""
+
+    cand: np.ndarray
+    q_rows: np.ndarray
+
+    def prob(self, j: int, token: int) -> float:
+        return float(np.sum(self.q_rows[j][self.cand[j] == token]))
+
+    def full(self, j: int, vocab: int) -> np.ndarray:
+        row = np.zeros(vocab)
+        np.add.at(row, np.asarray(self.cand[j], dtype=np.int64), np.asarray(self.q_rows[j], dtype=np.float64))
+        return row
+
+    def truncate(self, n: int) -> "SparseQ":
+        return SparseQ(self.cand[:n], self.q_rows[:n])
+
 
 @dataclass
 class Proposal:
     """One round's drafts, in true-vocab ids (len <= k)."""
 
     tokens: list[int]
-    q: object = None                         # the draft distribution (sampled accept); None = point mass
+    q: DenseQ | SparseQ | None = None        # the draft distribution (sampled accept); None = point mass
     # Per-slot confidence for the p_min gate. It must be fixed BEFORE slot j's token is drawn
     # (e.g. the largest probability of the slot's distribution), never the drawn token's own
     # probability: a gate that cuts a sampled draft on its own q(x) breaks exactness.
@@ -58,7 +106,7 @@ class RoundOutcome:
 
 
 class DraftState(Protocol):
-    def propose(self, k: int, sampling) -> Proposal: ...
+    def propose(self, k: int, sampling: DraftSampling | None) -> Proposal: ...
 
     def commit(self, outcome: RoundOutcome) -> None: ...
 

@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 import memra
 from memra.backend.numpy_ref import NumpyBackend
 from memra.errors import InputError
-from memra.generate import generate, greedy
-from memra.spec.philox import MASK32, TAG_ACCEPT, TAG_DRAW, host_u01, philox4x32_10, to_unit, uniforms, words
-from memra.spec.sampling import SamplingParams, filtered_probs
+from memra.generate import generate
+from memra.backend.philox import MASK32, TAG_ACCEPT, TAG_DRAW, host_u01, philox4x32_10, to_unit, uniforms, words
+from memra.speculative.sampling import SamplingParams, filtered_probs
 
 # ---- Philox: known answers and stream addressing ----------------------------------------------------
 KAT = [  # Random123 kat_vectors, philox4x32 10: (ctr, key) -> out
@@ -275,7 +275,7 @@ def mini(fixture_dir):
 @pytest.mark.parametrize("draft", [None, "native-mtp"])
 def test_temperature_zero_is_greedy_decoding_whatever_the_other_knobs(mini, draft):
     prompt = [5, 17, 2, 30, 9, 9, 11]
-    tape = greedy(mini, prompt, 10)
+    tape = generate(mini, prompt, 10).tokens
     for seed, extra in ((0, {}), (7, {"top_k": 2, "top_p": 0.3, "min_p": 0.5})):
         sp = SamplingParams(temperature=0, seed=seed, **extra)
         assert generate(mini, prompt, 10, draft=draft, num_draft_tokens=3, sampling=sp).tokens == tape

@@ -2,7 +2,8 @@
 
 One `.cu` file per op family lives in memra/kernels_cu/ (package data, with the shared
 `common.cuh`). Each family is compiled once per process by NVRTC, lazily, with the exact-class
-flags: C++17 and no FMA contraction (never fast-math). CuPy itself adds -ftz=true.
+flags (C++17, no FMA contraction, never fast-math; CuPy itself adds -ftz=true) and every shared
+constant of memra/kernels_cu/constants.py as a -D define.
 Wrappers pass every scalar as a numpy scalar of the kernel's type: CuPy checks nothing.
 """
 
@@ -15,8 +16,10 @@ import numpy as np
 
 import cupy as cp
 
-OPTIONS = ("--std=c++17", "--fmad=false")
-BLOCK = 256  # MEMRA_BLOCK in kernels_cu/common.cuh: threads per block of every row reduction
+from memra.kernels_cu.constants import DEFINES, FLAGS
+from memra.kernels_cu.constants import MEMRA_BLOCK as BLOCK  # threads per block of most launches
+
+OPTIONS = FLAGS + DEFINES
 
 
 def kernel_dir():
@@ -69,3 +72,49 @@ def check(a, dtype=cp.float32, name: str = "array"):
     assert a.dtype == dtype, f"{name}: expected {np.dtype(dtype)}, got {a.dtype}"
     assert a.flags.c_contiguous, f"{name}: must be C-contiguous"
     return a
+
+
+# ---- argument helpers shared by the op-family wrappers -------------------------------------
+
+MAX_GRID = 65535 * 32  # elementwise launches: grid-stride loops cover the rest
+INT32_MAX = 2**31 - 1
+
+
+def weight_kind(w, name: str) -> str:
+    """Weights stay in their stored precision: float32, or bf16 as raw uint16 bits; kernel names
+    take the returned suffix."""
+    if isinstance(w, cp.ndarray) and w.dtype == cp.uint16:
+        check(w, cp.uint16, name)
+        return "bf16"
+    check(w, cp.float32, name)
+    return "f32"
+
+
+def rows_of(x, name: str) -> tuple[int, int]:
+    """(rows, n) for a reduction over the last axis of x, any leading shape."""
+    check(x, cp.float32, name)
+    assert x.ndim >= 1 and x.shape[-1] > 0, f"{name}: needs a non-empty last axis, got {x.shape}"
+    n = x.shape[-1]
+    assert x.size // n <= INT32_MAX, f"{name}: too many rows for one launch"
+    return x.size // n, n
+
+
+def vector(w, n: int, name: str):
+    check(w, cp.float32, name)
+    assert w.shape == (n,), f"{name}: expected shape ({n},), got {w.shape}"
+    return w
+
+
+def device_input(a, name: str):
+    """A read-only float32 input. Strided views (v is sliced out of the conv output) are copied
+    to C order, which changes no value; host arrays and other dtypes are refused."""
+    assert isinstance(a, cp.ndarray), f"{name}: expected a cupy array, got {type(a).__name__}"
+    return check(cp.ascontiguousarray(a), cp.float32, name)
+
+
+def blocks_of(n: int, per: int = BLOCK) -> int:
+    return (n + per - 1) // per
+
+
+def grid_1d(total: int) -> tuple[int]:
+    return (blocks_of(total),)

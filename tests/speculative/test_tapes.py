@@ -11,11 +11,11 @@ drafts while the tape stays identical (the silent failure made loud).
 import numpy as np
 import pytest
 
-from memra.drafters.base import Proposal
 from memra.drafters.registry import load_drafter
 from memra.errors import InputError, MemraError
-from memra.generate import generate, greedy
-from memra.spec.session import GateInstruments, SpecSession
+from memra.generate import generate
+from memra.speculative.contract import Proposal
+from memra.speculative.session import GateInstruments, SpecSession
 
 from .battery import (
     MAX_CTX,
@@ -124,12 +124,12 @@ def test_generate_stops_right_after_the_first_eos_like_greedy(model, prompt, tap
     i = first_new_token_index(tape)
     eos = (tape[i],)
     spec = generate(model, prompt, 60, draft="native-mtp", num_draft_tokens=k, eos=eos)
-    assert spec.tokens == greedy(model, prompt, 60, eos_ids=eos) == tape[:i + 1]
+    assert spec.tokens == generate(model, prompt, 60, eos=eos).tokens == tape[:i + 1]
 
 
 def test_eos_as_the_first_token_ends_generation_at_once(model, prompt, tape):
     spec = generate(model, prompt, 20, draft="native-mtp", num_draft_tokens=3, eos=(tape[0],))
-    assert spec.tokens == greedy(model, prompt, 20, eos_ids=(tape[0],)) == tape[:1]
+    assert spec.tokens == generate(model, prompt, 20, eos=(tape[0],)).tokens == tape[:1]
     assert spec.stats["rounds"] == 0
 
 

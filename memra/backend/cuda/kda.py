@@ -1,0 +1,62 @@
+"""The KDA family of the CUDA backend (kernels_cu/kda.cu): short conv, gate, delta-rule recurrence.
+
+Mixin of CudaBackend mirroring NumpyBackend's short_conv / kda_gate / kda_recurrence on cupy
+arrays. Exact class: the stateful ops walk the rows in order inside one launch and advance the
+ring / state in place, so a t-row call equals t one-row calls bit for bit.
+
+    o = KdaOps().kda_recurrence(q, k, v, g, beta, state)    # float32 cupy arrays
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+
+from memra.backend.cuda.runtime import BLOCK, check, device_input, f32, grid_1d, i32, launch
+from memra.kernels_cu.constants import KDA_MAX_CONV, KDA_MAX_DK, WARPS_PER_BLOCK
+
+
+class KdaOps:
+    def short_conv(self, x, ring, w):
+        """Causal depthwise conv + SiLU over t rows; ring [K-1, C] (oldest first) advances in
+        place, so it must already be a C-contiguous float32 device array."""
+        x, w = device_input(x, "x"), device_input(w, "w")
+        check(ring, cp.float32, "ring")
+        t, c = x.shape
+        k = w.shape[1]
+        assert w.shape == (c, k) and 1 <= k <= KDA_MAX_CONV, f"short_conv: w {w.shape}, C={c}, K<={KDA_MAX_CONV}"
+        assert ring.shape == (k - 1, c), f"short_conv: ring {ring.shape}, expected {(k - 1, c)}"
+        out = cp.empty((t, c), cp.float32)
+        if t:
+            launch("kda", "short_conv", grid_1d(c), (BLOCK,), (x, ring, w, out, i32(t), i32(c), i32(k)))
+        return out
+
+    def kda_gate(self, f, a_log, dt_bias, lower_bound):
+        """Per-channel log-decay g [t, Hk, dk]; lower_bound None selects the softplus form."""
+        f, a_log, dt_bias = device_input(f, "f"), device_input(a_log, "a_log"), device_input(dt_bias, "dt_bias")
+        t, hk, dk = f.shape
+        assert a_log.shape == (hk,) and dt_bias.shape == (hk, dk), (a_log.shape, dt_bias.shape)
+        out = cp.empty((t, hk, dk), cp.float32)
+        has_lb = lower_bound is not None
+        if t:
+            launch("kda", "kda_gate", grid_1d(t * hk * dk), (BLOCK,),
+                   (f, a_log, dt_bias, out, i32(t), i32(hk), i32(dk), i32(has_lb),
+                    f32(lower_bound if has_lb else 0.0)))
+        return out
+
+    def kda_recurrence(self, q, k, v, g, beta, state):
+        """Delta rule over the rows in order; state [Hk, dk, dv] float32 advances in place;
+        returns o [t, Hk, dv]. Parallel over (head, value column), never over rows."""
+        q, k, v = device_input(q, "q"), device_input(k, "k"), device_input(v, "v")
+        g, beta = device_input(g, "g"), device_input(beta, "beta")
+        check(state, cp.float32, "state")
+        t, hk, dk = q.shape
+        dv = v.shape[2]
+        assert k.shape == g.shape == (t, hk, dk) and v.shape == (t, hk, dv) and beta.shape == (t, hk), (
+            f"kda_recurrence: q {q.shape} k {k.shape} v {v.shape} g {g.shape} beta {beta.shape}")
+        assert state.shape == (hk, dk, dv), f"kda_recurrence: state {state.shape}, expected {(hk, dk, dv)}"
+        assert dk <= KDA_MAX_DK, f"kda_recurrence: dk={dk}, at most {KDA_MAX_DK} (raise KDA_MAX_DK)"
+        out = cp.empty((t, hk, dv), cp.float32)
+        if t:
+            launch("kda", "kda_recurrence", (hk, (dv + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK), (BLOCK,),
+                   (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv)))
+        return out

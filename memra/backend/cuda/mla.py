@@ -1,0 +1,94 @@
+"""The MLA family of the CUDA backend (kernels_cu/mla.cu): the DSA kpool indexer and absorbed attention.
+
+Mixin of CudaBackend with NumpyBackend's names, signatures and meaning, on cupy arrays:
+
+    positions = MlaOps().kpool_select(q, w, pool_keys, pos0, pool, budget, width, scale)
+
+Exact class: each output's reduction order is fixed by its own row's data; pool selection uses
+a strict total order (score, then lower index), so it is deterministic.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+
+from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, position
+from memra.kernels_cu.constants import ATT_POS, MIX_CHANNELS, MIX_HEADS
+
+
+class MlaOps:
+    def kpool_compress(self, keys, gates, ape):
+        """Pool keys [npool, Di] from keys, gates [npool, P, Di] and ape [P, Di]."""
+        check(keys, cp.float32, "keys")
+        check(gates, cp.float32, "gates")
+        check(ape, cp.float32, "ape")
+        npool, pool, di = keys.shape
+        assert gates.shape == keys.shape, f"gates {gates.shape} != keys {keys.shape}"
+        assert ape.shape == (pool, di), f"ape {ape.shape} != {(pool, di)}"
+        out = cp.empty((npool, di), cp.float32)
+        if npool * di:
+            launch("mla", "kpool_compress", (blocks_of(npool * di),), (BLOCK,),
+                   (keys, gates, ape, out, i32(npool), i32(pool), i32(di)))
+        return out
+
+    def kpool_finalize(self, keys, gates, ape, pool_keys, at, t: int):
+        """Write the pool keys of the pools that plane rows at..at+t-1 complete (see NumpyBackend);
+        keys, gates [rows, Di] are the plane's own key and gate rows, pool_keys [rows // P + 1, Di]."""
+        for name, a in (("keys", keys), ("gates", gates), ("ape", ape), ("pool_keys", pool_keys)):
+            check(a, cp.float32, name)
+        pool, di = ape.shape
+        assert keys.shape == gates.shape and keys.shape[1] == di, f"keys {keys.shape}, gates {gates.shape}"
+        assert pool_keys.shape == (keys.shape[0] // pool + 1, di), f"pool_keys {pool_keys.shape}"
+        if t:
+            launch("mla", "kpool_finalize", (blocks_of((t // pool + 1) * di),), (BLOCK,),
+                   (keys, gates, ape, pool_keys, position(at), i32(t), i32(pool), i32(di)))
+
+    def kpool_select(self, q, w, pool_keys, pos0, pool: int, budget: int, width: int,
+                     scale: float):
+        """Attended positions [t, width] int32, ascending, -1 padded (see NumpyBackend). `pos0`
+        is a host int or the walk's device position; every launch is sized by the pool keys the
+        plane can hold, not by the position, so a captured walk stays valid as the cache grows."""
+        check(q, cp.float32, "q")
+        check(w, cp.float32, "w")
+        check(pool_keys, cp.float32, "pool_keys")
+        t, hi, di = q.shape
+        assert w.shape == (t, hi), f"w {w.shape} != {(t, hi)}"
+        assert pool_keys.ndim == 2 and pool_keys.shape[1] == di, f"pool_keys {pool_keys.shape}"
+        assert pool >= 1 and budget >= 1, f"pool {pool} and budget {budget} must be >= 1"
+        assert width >= (budget + 1) * pool - 1, (
+            f"width {width} < budget*pool + pool - 1 = {(budget + 1) * pool - 1}")
+        nmax = pool_keys.shape[0]
+        if not isinstance(pos0, cp.ndarray):
+            assert nmax >= (pos0 + t) // pool, f"pool_keys has {nmax} rows < {(pos0 + t) // pool}"
+        out = cp.empty((t, width), cp.int32)
+        if t == 0:
+            return out
+        at = position(pos0)
+        scores = cp.empty((t, max(nmax, 1)), cp.float32)
+        launch("mla", "kpool_scores", (blocks_of(max(nmax, 1)), t), (BLOCK,),
+               (q, w, pool_keys, scores, at, i32(pool), i32(budget), i32(hi), i32(di),
+                i32(max(nmax, 1)), f32(scale)))
+        launch("mla", "kpool_select", (t,), (BLOCK,),
+               (scores, out, at, i32(pool), i32(budget), i32(width), i32(max(nmax, 1))),
+               shared_mem=4 * budget)
+        return out
+
+    def mla_attend(self, q_lat, latent, positions, scale: float):
+        """o_lat [t, H, R] = sum_j softmax_j(scale q_lat . c_j) c_j over each row's positions."""
+        check(q_lat, cp.float32, "q_lat")
+        check(latent, cp.float32, "latent")
+        check(positions, cp.int32, "positions")
+        t, h, rank = q_lat.shape
+        assert latent.ndim == 2 and latent.shape[1] == rank, f"latent {latent.shape}"
+        assert positions.ndim == 2 and positions.shape[0] == t, f"positions {positions.shape}"
+        width = positions.shape[1]
+        if t * h * width == 0:  # an empty list attends nothing
+            return cp.zeros((t, h, rank), cp.float32)
+        out = cp.empty((t, h, rank), cp.float32)
+        probs = cp.empty((t * h, width), cp.float32)
+        launch("mla", "mla_scores", (blocks_of(width, ATT_POS), t), (BLOCK,),
+               (q_lat, latent, positions, probs, i32(h), i32(rank), i32(width), f32(scale)))
+        launch("mla", "mla_softmax", (t * h,), (BLOCK,), (probs, positions, i32(h), i32(width)))
+        launch("mla", "mla_mix", (blocks_of(rank, MIX_CHANNELS), blocks_of(h, MIX_HEADS), t), (BLOCK,),
+               (probs, latent, positions, out, i32(h), i32(rank), i32(width)))
+        return out

@@ -1,0 +1,90 @@
+"""The MoE family of the CUDA backend (kernels_cu/moe.cu): routing and the routed experts.
+
+Mixin of CudaBackend with NumpyBackend's names, signatures and meaning, on cupy arrays:
+
+    idx, wts = MoeOps().moe_route(x, w_gate, bias, n_group, topk_group, k, scaling)
+
+Exact class: expert selection uses a strict total order (score, then lower index); each
+expert's outputs sum in a fixed order whatever the row count.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+
+from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, weight_kind
+from memra.kernels_cu.constants import (BF16_OUTS, GATE_UP_UNITS, MAX_GROUPS, MAX_TOPK,
+                                        MOE_MAX_EXPERTS, WARPS_PER_BLOCK)
+
+ROUTE_ROWS = 4  # moe_route_select: rows per block, a warp each; 4 x MOE_MAX_EXPERTS scores = 48 KB
+
+class MoeOps:
+    def moe_route(self, x, w_gate, bias, n_group: int, topk_group: int, k: int,
+                  renormalize: bool, scaling: float):
+        """noaux_tc sigmoid routing -> (experts [t, k] int64 ascending, weights [t, k])."""
+        check(x, cp.float32, "x")
+        check(w_gate, cp.float32, "w_gate")
+        check(bias, cp.float32, "bias")
+        t, d = x.shape
+        e = w_gate.shape[0]
+        assert w_gate.shape == (e, d) and bias.shape == (e,), f"w_gate {w_gate.shape}, bias {bias.shape}"
+        assert e <= MOE_MAX_EXPERTS, f"moe_route: E={e} experts, at most {MOE_MAX_EXPERTS}"
+        assert 1 <= n_group <= MAX_GROUPS and e % n_group == 0 and e // n_group >= 2, (
+            f"n_group {n_group}: must divide E={e} into groups of >= 2, at most {MAX_GROUPS}")
+        assert 1 <= topk_group <= n_group, f"topk_group {topk_group} outside 1..{n_group}"
+        assert 1 <= k <= min(MAX_TOPK, topk_group * (e // n_group)), (
+            f"k {k} outside 1..min({MAX_TOPK}, experts in the kept groups)")
+        experts = cp.empty((t, k), cp.int64)
+        weights = cp.empty((t, k), cp.float32)
+        if t == 0:
+            return experts, weights
+        logits = cp.empty((t, e), cp.float32)
+        launch("moe", "moe_router_logits", (blocks_of(e, WARPS_PER_BLOCK),), (BLOCK,),
+               (x, w_gate, logits, i32(t), i32(e), i32(d)))
+        launch("moe", "moe_route_select", (blocks_of(t, ROUTE_ROWS),), (32 * ROUTE_ROWS,),
+               (logits, bias, experts, weights, i32(t), i32(e), i32(n_group),
+                i32(topk_group), i32(k), i32(bool(renormalize)), f32(scaling)),
+               shared_mem=4 * e * ROUTE_ROWS)
+        return experts, weights
+
+    def moe_experts(self, x, idx, wts, gate_w, up_w, down_w, limit: float):
+        """sum over the row's experts (slot order) of wt * down(swiglu(gate x, up x)).
+        gate_w, up_w [E, I, D]; down_w [E, D, I]; float32 or bf16 (uint16), all alike."""
+        check(x, cp.float32, "x")
+        check(idx, cp.int64, "idx")
+        check(wts, cp.float32, "wts")
+        kind = weight_kind(gate_w, "gate_w")
+        for name, a in (("up_w", up_w), ("down_w", down_w)):
+            check(a, gate_w.dtype, name)
+        t, d = x.shape
+        e, inter, _ = gate_w.shape
+        k = idx.shape[1]
+        assert gate_w.shape == (e, inter, d) and up_w.shape == (e, inter, d), (
+            f"gate_w {gate_w.shape}, up_w {up_w.shape}: expected {(e, inter, d)}")
+        assert down_w.shape == (e, d, inter), f"down_w {down_w.shape}: expected {(e, d, inter)}"
+        assert idx.shape == (t, k) and wts.shape == (t, k), f"idx {idx.shape}, wts {wts.shape}"
+        out = cp.empty((t, d), cp.float32)
+        if t * k * d == 0:
+            out.fill(0)
+            return out
+        # zeroed so a slot whose expert id matches no block adds 0 rather than garbage
+        h = cp.zeros((t, k, inter), cp.float32)
+        y = cp.zeros((t, k, d), cp.float32)
+        if kind == "bf16":  # tensor-core tiles of gate|up units and of outputs; 8 or 16 rows a pass
+            # blocks only for the experts the rows route to: their ascending list, made on the device
+            assert e <= MOE_MAX_EXPERTS, f"moe_experts: E={e} experts, at most {MOE_MAX_EXPERTS}"
+            rows, listed = "n1" if t <= 8 else "n2", min(e, t * k)
+            experts, count = cp.empty(listed, cp.int32), cp.empty(1, cp.int32)
+            launch("moe", "moe_expert_list", (1,), (BLOCK,), (idx, i32(t * k), i32(e), experts, count))
+            launch("moe", f"moe_gate_up_bf16_{rows}", (blocks_of(inter, GATE_UP_UNITS), listed), (BLOCK,),
+                   (x, idx, experts, count, gate_w, up_w, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
+            launch("moe", f"moe_down_bf16_{rows}", (blocks_of(d, BF16_OUTS), listed), (BLOCK,),
+                   (h, idx, experts, count, down_w, y, i32(t), i32(k), i32(inter), i32(d)))
+        else:  # float32 weights (test fixtures): a block row per expert, idle where none is routed
+            launch("moe", "moe_gate_up_f32", (blocks_of(inter, WARPS_PER_BLOCK), e), (BLOCK,),
+                   (x, idx, gate_w, up_w, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
+            launch("moe", "moe_down_f32", (blocks_of(d, WARPS_PER_BLOCK), e), (BLOCK,),
+                   (h, idx, down_w, y, i32(t), i32(k), i32(inter), i32(d)))
+        launch("moe", "moe_combine", (blocks_of(t * d),), (BLOCK,),
+               (y, wts, out, i32(t), i32(k), i32(d)))
+        return out

@@ -1,0 +1,81 @@
+"""The norm family of the CUDA backend (kernels_cu/norm.cu): row reductions over the last axis.
+
+RMSNorm (plain and gated), LayerNorm, L2 norm, softmax, log-softmax and argmax, one block per
+row, each row's reduction in a fixed order whatever the row count (exact class). A mixin of
+CudaBackend with the signatures of NumpyBackend's twins:
+
+    ops = NormOps()
+    y = ops.rmsnorm(x, w, eps=1e-6)          # x [..., n] float32 cupy, w [n] or None
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+
+from memra.backend.cuda.runtime import BLOCK, check, f32, i32, launch, rows_of, vector
+
+
+
+class NormOps:
+    def rmsnorm(self, x, w, eps: float):
+        """RMSNorm over the last axis, any leading shape (w=None: unweighted)."""
+        rows, n = rows_of(x, "x")
+        if w is not None:
+            vector(w, n, "w")
+        out = cp.empty_like(x)
+        if rows:
+            launch("norm", "rmsnorm_rows", (rows,), (BLOCK,), (x, w, out, i32(n), f32(eps)))
+        return out
+
+    def layernorm(self, x, w, b, eps: float):
+        rows, n = rows_of(x, "x")
+        vector(w, n, "w")
+        vector(b, n, "b")
+        out = cp.empty_like(x)
+        if rows:
+            launch("norm", "layernorm_rows", (rows,), (BLOCK,), (x, w, b, out, i32(n), f32(eps)))
+        return out
+
+    def l2norm(self, x, eps: float):
+        """x / sqrt(sum(x^2) + eps) over the last axis (fla's convention: eps inside the sqrt)."""
+        rows, n = rows_of(x, "x")
+        out = cp.empty_like(x)
+        if rows:
+            launch("norm", "l2norm_rows", (rows,), (BLOCK,), (x, out, i32(n), f32(eps)))
+        return out
+
+    def gated_rmsnorm(self, o, gate, w, eps: float):
+        """rmsnorm(o) * w * sigmoid(gate) over the last axis (KDA's output norm)."""
+        rows, n = rows_of(o, "o")
+        check(gate, cp.float32, "gate")
+        assert gate.shape == o.shape, f"gate: expected {o.shape}, got {gate.shape}"
+        vector(w, n, "w")
+        out = cp.empty_like(o)
+        if rows:
+            launch("norm", "gated_rmsnorm_rows", (rows,), (BLOCK,),
+                   (o, gate, w, out, i32(n), f32(eps)))
+        return out
+
+    def softmax(self, x):
+        """Softmax over the last axis, any leading shape."""
+        rows, n = rows_of(x, "x")
+        out = cp.empty_like(x)
+        if rows:
+            launch("norm", "softmax_rows", (rows,), (BLOCK,), (x, out, i32(n)))
+        return out
+
+    def log_softmax(self, x):
+        """Log-softmax over the last axis, any leading shape."""
+        rows, n = rows_of(x, "x")
+        out = cp.empty_like(x)
+        if rows:
+            launch("norm", "log_softmax_rows", (rows,), (BLOCK,), (x, out, i32(n)))
+        return out
+
+    def argmax(self, x):
+        """Row-wise argmax over the last axis (int64, the lowest index among ties, NaN first)."""
+        rows, n = rows_of(x, "x")
+        out = cp.empty(x.shape[:-1], cp.int64)
+        if rows:
+            launch("norm", "argmax_rows", (rows,), (BLOCK,), (x, out, i32(n)))
+        return out

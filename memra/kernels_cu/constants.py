@@ -1,0 +1,68 @@
+"""The constants the .cu kernels and their Python wrappers share: one home each.
+
+    from memra.kernels_cu.constants import BF16_OUTS, FLAGS, DEFINES
+
+Every kernel family is built with each entry of KERNEL_CONSTANTS as a `-DNAME=value` define
+(backend/cuda/runtime.py for NVRTC, tests/backend/test_kernels_compile.py for nvcc), and the
+wrappers size their grids and check their bounds with the same names. No `.cu`/`.cuh` file
+defines them (tests/backend/test_kernel_constants.py); a source built without them stops at
+its `#error`. Constants only one side needs stay there (a kernel's inner tile shapes, a
+wrapper's dispatch thresholds). This module imports no cupy, so CPU-only tests can read it.
+"""
+
+from __future__ import annotations
+
+from memra.limits import VERIFY_CAP
+
+# Exact-class build flags (DESIGN.md section 2): C++17, no FMA contraction, never fast-math.
+FLAGS = ("--std=c++17", "--fmad=false")
+
+# every family (common.cuh): threads per block of the row reductions, a fixed split size
+MEMRA_BLOCK = 256
+WARPS_PER_BLOCK = MEMRA_BLOCK // 32
+
+# dense.cu: float32 projections, row template T -> outputs per warp (the kernels t1 .. t16)
+OUTS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4, 16: 2}
+BF16_OUTS = 32    # outputs per block of a bf16 (tensor-core) projection or MoE down tile
+SPLIT_KC = 2048   # in-features per split-K slice of a bf16 projection (a size, never a count)
+
+# hyper.cu
+HC_MAX_N = 8                  # streams: C lives in a local array; hc_weights runs n^2 threads
+HC_CHUNK = MEMRA_BLOCK * 8    # flattened stream elements per hc_partials block
+
+# kda.cu
+KDA_MAX_CONV = 16   # conv taps held in registers
+KDA_MAX_DK = 256    # key dim: each lane holds KDA_MAX_DK / 32 state entries
+
+# mla.cu
+ATT_POS = 32        # positions per mla_scores block (one per lane)
+MIX_HEADS = 8       # heads per mla_mix block (one per warp in the combine)
+MIX_CHANNELS = 32   # latent channels per mla_mix block (one per lane)
+
+# moe.cu
+MOE_MAX_EXPERTS = 3072   # moe_expert_list marks experts in shared memory (route_select: 48 KB)
+MAX_TOPK = 32            # moe_route_select keeps the chosen experts in a local array
+MAX_GROUPS = 64          # ... and the kept groups in a 64-bit mask, two per lane
+GATE_UP_UNITS = 16       # intermediate units per bf16 gate|up tile (16 gate rows, 16 up rows)
+
+KERNEL_CONSTANTS: dict[str, int] = {
+    "MEMRA_BLOCK": MEMRA_BLOCK,
+    "WARPS_PER_BLOCK": WARPS_PER_BLOCK,
+    **{f"OUTS_PER_WARP_T{t}": o for t, o in OUTS_PER_WARP.items()},
+    "BF16_OUTS": BF16_OUTS,
+    "SPLIT_KC": SPLIT_KC,
+    "VERIFY_CAP": VERIFY_CAP,
+    "HC_MAX_N": HC_MAX_N,
+    "HC_CHUNK": HC_CHUNK,
+    "KDA_MAX_CONV": KDA_MAX_CONV,
+    "KDA_MAX_DK": KDA_MAX_DK,
+    "ATT_POS": ATT_POS,
+    "MIX_HEADS": MIX_HEADS,
+    "MIX_CHANNELS": MIX_CHANNELS,
+    "MOE_MAX_EXPERTS": MOE_MAX_EXPERTS,
+    "MAX_TOPK": MAX_TOPK,
+    "MAX_GROUPS": MAX_GROUPS,
+    "GATE_UP_UNITS": GATE_UP_UNITS,
+}
+
+DEFINES = tuple(f"-D{name}={value}" for name, value in KERNEL_CONSTANTS.items())

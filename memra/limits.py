@@ -1,0 +1,27 @@
+"""The design constants of memra: one home each.
+
+    from memra.limits import VERIFY_CAP, MAX_K, spec_context
+
+The exact class (DESIGN.md section 2) covers walks of 1..VERIFY_CAP rows; a speculative round
+verifies the anchor plus K drafts, so K <= MAX_K. Everything that sizes a cache for a request
+asks `spec_context` / `round_fits`, so the rule lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+VERIFY_CAP = 15            # verify rows per walk: K + 1 <= 15, the decode-exact design constant
+MAX_K = VERIFY_CAP - 1     # drafts per round
+SPEC_CONTEXT_SLACK = 8     # positions a speculative request keeps beyond prompt + tokens + K
+MIN_SESSION_ROOM = 4       # a session needs the prompt plus this much to run one round
+
+
+def spec_context(prompt_len: int, max_new_tokens: int, k: int) -> int:
+    """max_ctx a speculative request of this shape needs: its prompt, its tokens, one round's
+    overshoot (k drafts) and a little slack for the anchor and the bonus."""
+    return prompt_len + max_new_tokens + k + SPEC_CONTEXT_SLACK
+
+
+def round_fits(pos: int, k: int, max_ctx: int) -> bool:
+    """Whether a round of k drafts (k + 1 verify rows, and the bonus after them) fits a cache at
+    position pos."""
+    return pos + k + 2 <= max_ctx

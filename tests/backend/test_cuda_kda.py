@@ -1,0 +1,126 @@
+"""The KDA family on the GPU (KdaOps, backend/cuda/kda.py -> kernels_cu/kda.cu): the causal short
+conv with its ring, the per-channel decay gate, the delta-rule recurrence with its state.
+
+The table (mini, small, dk = 128 with Hk = 2, odd sizes) runs through the shared gates of
+tests/backend/harness.py; short_conv and kda_recurrence are stateful, so their row gate is: a
+t-row call equals t successive one-row calls, outputs and final ring / state. Red arms: a stale
+state or ring (the op forgets to carry it between calls) fails that gate, and a one-ulp change
+of one row is caught. The rest pins the wrapper's rules for in-place state and strided inputs.
+Run on the GPU host: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/backend/test_cuda_kda.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.gpu import cupy_or_skip
+
+pytestmark = pytest.mark.gpu
+cp = cupy_or_skip()
+
+from memra.backend.cuda.kda import KdaOps  # noqa: E402
+from tests.backend.harness import OpGates, RedArm, draw, on_device, table  # noqa: E402
+from tests.backend.inputs import normal, uniform  # noqa: E402
+
+F32 = np.float32
+
+# op -> (rtol, atol) against NumpyBackend: CUDA expf / log1pf (a few ulp) and the fixed GPU
+# reduction orders (warp butterfly) against numpy's.
+TOL = {
+    "short_conv": (1e-5, 1e-6),   # K-tap sum in the reference's order; SiLU's expf
+    "kda_gate": (1e-5, 1e-6),     # expf(a_log) times z, then sigmoid or softplus
+    "kda_recurrence": (1e-4, 1e-6),  # 15 rows of dk-reductions through the carried state
+}
+
+
+def _kda_gate(hk, dk, lower_bound):
+    def make(rng, t):
+        shared = {"a_log": uniform(rng, (hk,), 0.0, np.log(16.0)), "dt_bias": normal(rng, (hk, dk), 0.5)}
+        return {"f": normal(rng, (t, hk, dk), 2.0)}, shared
+    return make, lambda be, r, s: be.kda_gate(r["f"], s["a_log"], s["dt_bias"], lower_bound)
+
+
+def _short_conv(c, k):
+    def make(rng, t):  # the ring starts with history, as mid-sequence
+        return {"x": normal(rng, (t, c))}, {"w": normal(rng, (c, k), 0.5), "ring": normal(rng, (k - 1, c))}
+    return make, lambda be, r, s: be.short_conv(r["x"], s["ring"], s["w"])
+
+
+def _unit(a):
+    return (a / np.sqrt((a * a).sum(-1, keepdims=True) + F32(1e-6))).astype(F32)
+
+
+def _kda_recurrence(hk, dk, dv):
+    def make(rng, t):  # q, k as the mixer makes them: L2-normalised, q scaled by dk^-0.5
+        rows = {"q": (_unit(normal(rng, (t, hk, dk))) * F32(dk ** -0.5)).astype(F32),
+                "k": _unit(normal(rng, (t, hk, dk))), "v": normal(rng, (t, hk, dv)),
+                "g": uniform(rng, (t, hk, dk), -5.0, -0.01), "beta": uniform(rng, (t, hk), 0.05, 0.95)}
+        return rows, {"state": normal(rng, (hk, dk, dv), 0.3)}
+    return make, lambda be, r, s: be.kda_recurrence(r["q"], r["k"], r["v"], r["g"], r["beta"], s["state"])
+
+
+case = table(TOL)
+RING, STATE = {"state": "ring"}, {"state": "state"}
+CASES = [
+    case("kda_gate_lb_mini", *_kda_gate(1, 128, -5.0)),
+    case("kda_gate_lb_small", *_kda_gate(2, 32, -5.0)),
+    case("kda_gate_softplus_small", *_kda_gate(2, 32, None)),
+    case("kda_gate_softplus_odd", *_kda_gate(3, 33, None)),
+    case("short_conv_mini", *_short_conv(3 * 128, 4), **RING),
+    case("short_conv_small", *_short_conv(3 * 64, 4), **RING),
+    case("short_conv_odd", *_short_conv(101, 3), **RING),
+    case("short_conv_k1", *_short_conv(40, 1), **RING),
+    case("kda_recurrence_mini", *_kda_recurrence(1, 128, 128), **STATE),
+    case("kda_recurrence_small", *_kda_recurrence(2, 32, 32), **STATE),
+    case("kda_recurrence_dk128_h2", *_kda_recurrence(2, 128, 128), **STATE),
+    case("kda_recurrence_odd", *_kda_recurrence(3, 40, 24), **STATE),
+]
+
+
+class _StaleState(KdaOps):
+    """The mutations: the recurrence and the conv run on a copy, so the state never carries over."""
+
+    def kda_recurrence(self, q, k, v, g, beta, state):
+        return super().kda_recurrence(q, k, v, g, beta, state.copy())
+
+    def short_conv(self, x, ring, w):
+        return super().short_conv(x, ring.copy(), w)
+
+
+def _case(name):
+    return next(c for c in CASES if c.name == name)
+
+
+class TestKdaOps(OpGates):
+    ops, tol, cases = KdaOps, TOL, CASES
+    red_arms = (RedArm("kda_recurrence_stale_state", _case("kda_recurrence_small"), _StaleState),
+                RedArm("short_conv_stale_ring", _case("short_conv_small"), _StaleState))
+    ulp_cases = ("kda_recurrence_small", "short_conv_odd", "kda_gate_lb_small")
+
+
+# ---- the wrappers guard their in-place state and copy strided inputs ----------------------------
+
+def test_in_place_state_must_be_contiguous_float32():
+    c = _case("kda_recurrence_small")
+    rows, shared = draw(c, "refusal", 2)
+    ops, rows = KdaOps(), on_device(c, rows)
+    state0 = shared["state"]
+    with pytest.raises(AssertionError, match="state"):
+        c.call(ops, rows, {"state": cp.asarray(state0, dtype=cp.float64)})
+    strided = cp.asarray(np.ascontiguousarray(state0.transpose(0, 2, 1))).transpose(0, 2, 1)
+    with pytest.raises(AssertionError, match="state"):
+        c.call(ops, rows, {"state": strided})
+    with pytest.raises(AssertionError, match="x"):
+        ops.short_conv(np.zeros((1, 4), F32), cp.zeros((3, 4), cp.float32), cp.zeros((4, 4), cp.float32))
+
+
+def test_strided_read_only_inputs_are_accepted():
+    """v arrives as a view sliced out of the conv output; the wrapper copies it to C order."""
+    rows, shared = draw(_case("kda_recurrence_small"), "strided", 3)
+    ops, dev = KdaOps(), on_device(_case("kda_recurrence_small"), rows)
+    wide = cp.concatenate([dev["v"], dev["v"]], axis=2)[:, :, :32]
+    assert not wide.flags.c_contiguous
+    a = ops.kda_recurrence(dev["q"], dev["k"], wide, dev["g"], dev["beta"], cp.asarray(shared["state"]))
+    b = ops.kda_recurrence(dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], cp.asarray(shared["state"]))
+    assert cp.array_equal(a, b)

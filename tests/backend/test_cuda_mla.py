@@ -1,0 +1,177 @@
+"""The MLA family on the GPU (MlaOps, backend/cuda/mla.py -> kernels_cu/mla.cu): the DSA kpool
+indexer (pool-key compression, finalize, pool selection) and absorbed latent attention.
+
+The table runs through the shared gates of tests/backend/harness.py on a 64-position plane with
+P = 4 and index_topk 8 (2 pools). Selections (positions) are compared exactly, on inputs redrawn
+until every deciding score gap clears a margin, so no near-tie can flip a choice; exact ties get
+their own test (the lower pool wins). Red arms: every row selecting as if it sat at the walk's
+last position (no causal step) fails the row gate, and a one-ulp change of one row is caught.
+The rest pins the positions read from a device buffer (what a captured walk replays).
+Run on the GPU host: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/backend/test_cuda_mla.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.gpu import cupy_or_skip
+
+pytestmark = pytest.mark.gpu
+cp = cupy_or_skip()
+
+from memra.backend.cuda.mla import MlaOps  # noqa: E402
+from memra.backend.cuda.runtime import position  # noqa: E402
+from memra.backend.numpy_ref import NumpyBackend  # noqa: E402
+from tests.backend.harness import T_MAX, OpGates, RedArm, table  # noqa: E402
+from tests.backend.inputs import normal, uniform  # noqa: E402
+
+F32 = np.float32
+REF = NumpyBackend()
+PLANE, POOL, BUDGET, WIDTH = 64, 4, 2, 11  # a 64-position plane, P 4, index_topk 8 -> 2 pools
+MARGIN = 1e-3  # relative float64 gap required at every selection boundary
+
+# op -> (rtol, atol) against NumpyBackend; positions are always compared exactly.
+TOL = {
+    "kpool_compress": (2e-5, 2e-6),  # softmax over P slots: expf ulps, P products
+    "kpool_select": (0.0, 0.0),  # positions: exact
+    "mla_attend": (1e-4, 1e-5),  # dots over R, softmax over <= W positions, sum of p_j c_j
+}
+
+
+def _compress(di):
+    def make(rng, npool):  # the row axis is the pools
+        rows = {"keys": normal(rng, (npool, POOL, di)), "gates": normal(rng, (npool, POOL, di))}
+        return rows, {"ape": normal(rng, (POOL, di), 0.5)}
+    return make, lambda be, r, s: be.kpool_compress(r["keys"], r["gates"], s["ape"])
+
+
+def _select_gap(q, w, pool_keys, pos0, scale) -> float:
+    """Smallest relative float64 gap, over the sparse rows, between the last chosen pool's
+    score and the best rejected one."""
+    gaps = [np.inf]
+    for r in range(q.shape[0]):
+        n = (pos0 + r + 1) // POOL
+        if n <= BUDGET:
+            continue
+        s = np.maximum(q[r].astype(np.float64) @ pool_keys[:n].astype(np.float64).T * scale, 0.0)
+        top = np.sort(w[r].astype(np.float64) @ s)[::-1]
+        gaps.append((top[BUDGET - 1] - top[BUDGET]) / (1.0 + abs(top[BUDGET - 1])))
+    return min(gaps)
+
+
+def _select_inputs(rng, t, hi, di, pos0):
+    """kpool_select inputs on the plane, redrawn until every boundary is clear. Mostly positive
+    dots (uniform, shifted) so relu rarely ties pools at exactly zero. Row r sits at pos0 + r."""
+    for _ in range(1000):
+        q = uniform(rng, (t, hi, di), -0.25, 1.0)
+        w = (uniform(rng, (t, hi), 0.2, 1.0) * F32(hi ** -0.5)).astype(F32)
+        pool_keys = uniform(rng, (PLANE // POOL + 1, di), -0.25, 1.0)
+        if _select_gap(q, w, pool_keys, pos0, di ** -0.5) > MARGIN:
+            return {"q": q, "w": w, "pos0": np.arange(pos0, pos0 + t)}, {"pool_keys": pool_keys}
+    raise AssertionError("no kpool_select input with a clear selection margin")
+
+
+def _select_call(be, r, s):
+    return be.kpool_select(r["q"], r["w"], s["pool_keys"], int(r["pos0"][0]), POOL, BUDGET, WIDTH,
+                           r["q"].shape[-1] ** -0.5)
+
+
+def _select(hi, di, pos0):
+    return (lambda rng, t: _select_inputs(rng, t, hi, di, pos0)), _select_call
+
+
+def _mla(h, rank, pos0):
+    def make(rng, t):
+        sel, shared = _select_inputs(rng, t, 2, 8, pos0)
+        rows = {"q_lat": normal(rng, (t, h, rank)), "positions": _select_call(REF, sel, shared)}
+        return rows, {"latent": normal(rng, (PLANE, rank))}  # realistic lists: pools, tail, -1 padding
+    return make, lambda be, r, s: be.mla_attend(r["q_lat"], s["latent"], r["positions"], F32(rank ** -0.5))
+
+
+case = table(TOL)
+CASES = [
+    case("kpool_compress_mini", *_compress(8), ts=(1, 7, 15, 16)),
+    case("kpool_compress_small", *_compress(16)),
+    case("kpool_compress_odd", *_compress(13), ts=(1, 5, 7, 15)),
+    case("kpool_select_mini_dense_to_sparse", *_select(1, 8, 0)),
+    case("kpool_select_mini_sparse", *_select(1, 8, 49)),
+    case("kpool_select_small_dense_to_sparse", *_select(4, 16, 0)),
+    case("kpool_select_small_dense_to_sparse_from_3", *_select(4, 16, 3)),
+    case("kpool_select_small_sparse", *_select(4, 16, 49)),
+    case("mla_attend_mini", *_mla(2, 16, 49)),
+    case("mla_attend_small", *_mla(4, 32, 49)),
+    case("mla_attend_small_from_3", *_mla(4, 32, 3)),
+    case("mla_attend_odd_dense", *_mla(3, 67, 0), ts=(1, 7, 13, 15)),
+]
+
+
+class _EveryRowAtTheLastPosition(MlaOps):
+    """The mutation: each row of a walk selects as if it sat at the walk's last position, so a
+    row sees the rows after it (the causal step forgotten)."""
+
+    def kpool_select(self, q, w, pool_keys, pos0, pool, budget, width, scale):
+        last, select = pos0 + q.shape[0] - 1, super().kpool_select
+        return cp.concatenate([select(q[r:r + 1], w[r:r + 1], pool_keys, last, pool, budget, width, scale)
+                               for r in range(q.shape[0])])
+
+
+def _case(name):
+    return next(c for c in CASES if c.name == name)
+
+
+class TestMlaOps(OpGates):
+    ops, tol, cases = MlaOps, TOL, CASES
+    untabled = ("kpool_finalize",)  # a plane write: test_kpool_finalize_* below
+    red_arms = (RedArm("kpool_select_rows_at_the_last_position", _case("kpool_select_small_sparse"),
+                       _EveryRowAtTheLastPosition),)
+    ulp_cases = ("mla_attend_small", "kpool_compress_small", "kpool_select_small_sparse")
+
+
+def test_kpool_select_exact_ties_go_to_the_lower_pool():
+    # exact arithmetic (halves, quarters): pools 2, 5 and 9 tie at the top, so 2 and 5 win;
+    # with all pools equal, pools 0 and 1 win. Rows at 61..63: tails 60..61, 60..62, none.
+    q, w = np.ones((3, 2, 8), F32), np.full((3, 2), 0.5, F32)
+    top3 = np.full((PLANE // POOL + 1, 8), 0.5, F32)
+    top3[[2, 5, 9]] = 1.0
+    flat = np.full((PLANE // POOL + 1, 8), 0.5, F32)
+    tails = [[60, 61, -1], [60, 61, 62], [-1, -1, -1]]
+    for pool_keys, pools in ((top3, [2, 5]), (flat, [0, 1])):
+        cols = [j * POOL + m for j in pools for m in range(POOL)]
+        want = np.array([cols + tail for tail in tails], np.int32)
+        args = (q, w, pool_keys, 61, POOL, BUDGET, WIDTH, 0.25)
+        np.testing.assert_array_equal(REF.kpool_select(*args), want)
+        dev = [cp.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+        np.testing.assert_array_equal(cp.asnumpy(MlaOps().kpool_select(*dev)), want)
+
+
+# ---- the position read from the device (what a captured walk replays) -------------------------
+
+@pytest.mark.parametrize("at, t", [(0, 1), (3, 1), (2, 6), (5, 15), (47, 15), (60, 4)])
+def test_kpool_finalize_at_a_device_position_is_kpool_compress_of_the_completed_pools(at, t):
+    """Bit for bit the compress kernel on the same pools; pools outside the rows untouched."""
+    rng = np.random.default_rng([at, t])
+    keys, gates = normal(rng, (PLANE, 8)), normal(rng, (PLANE, 8))
+    ape = normal(rng, (POOL, 8), 0.5)
+    ops = MlaOps()
+    pool_keys = cp.full((PLANE // POOL + 1, 8), 7.0, cp.float32)
+    ops.kpool_finalize(cp.asarray(keys), cp.asarray(gates), cp.asarray(ape), pool_keys, position(at), t)
+    got = cp.asnumpy(pool_keys)
+    first, last = at // POOL, (at + t) // POOL
+    done = slice(first * POOL, last * POOL)
+    shape = (last - first, POOL, 8)
+    want = cp.asnumpy(ops.kpool_compress(cp.asarray(keys[done].reshape(shape)),
+                                         cp.asarray(gates[done].reshape(shape)), cp.asarray(ape)))
+    assert got[first:last].tobytes() == want.tobytes() and got[first:last].shape == want.shape
+    assert (np.delete(got, range(first, last), axis=0) == 7.0).all()
+
+
+@pytest.mark.parametrize("pos0", [0, 9, 49])
+def test_kpool_select_reads_the_same_positions_from_a_host_int_or_a_device_buffer(pos0):
+    rows, shared = _select_inputs(np.random.default_rng(pos0), T_MAX, 4, 16, pos0)
+    q, w, pool_keys = cp.asarray(rows["q"]), cp.asarray(rows["w"]), cp.asarray(shared["pool_keys"])
+    ops = MlaOps()
+    from_int = cp.asnumpy(ops.kpool_select(q, w, pool_keys, pos0, POOL, BUDGET, WIDTH, 0.25))
+    from_buffer = cp.asnumpy(ops.kpool_select(q, w, pool_keys, position(pos0), POOL, BUDGET, WIDTH, 0.25))
+    assert np.array_equal(from_int, from_buffer)
+    np.testing.assert_array_equal(from_int, _select_call(REF, rows, shared))

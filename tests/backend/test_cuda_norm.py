@@ -1,0 +1,112 @@
+"""The norm family on the GPU (NormOps, backend/cuda/norm.py -> kernels_cu/norm.cu): RMSNorm (plain
+and gated), LayerNorm, L2 norm, softmax, log-softmax and argmax, one row reduction each.
+
+The table below runs through the shared gates of tests/backend/harness.py (numpy twin within
+each op's bound, t = 1..15 row invariance, red arms: a sum of squares split into t parts, a
+one-ulp change); the rest pins argmax's NaN / inf / tie rules and the wrapper's refusals.
+Run on the GPU host: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/backend/test_cuda_norm.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.gpu import cupy_or_skip
+
+pytestmark = pytest.mark.gpu
+cp = cupy_or_skip()
+
+from memra.backend.cuda.norm import NormOps  # noqa: E402
+from tests.backend.harness import OpGates, RedArm, split_dot, table  # noqa: E402
+from tests.backend.inputs import make_norm, make_rows, normal  # noqa: E402
+
+F32 = np.float32
+
+# op -> (rtol, atol) against NumpyBackend. argmax does no arithmetic: exact. Row sums differ
+# from numpy's (pairwise) order; expf / logf from CUDA's by an ulp or two.
+TOL = {
+    "rmsnorm": (1e-5, 1e-6),
+    "layernorm": (1e-5, 1e-5),
+    "l2norm": (1e-5, 1e-6),
+    "gated_rmsnorm": (1e-5, 1e-6),
+    "softmax": (1e-5, 1e-8),
+    "log_softmax": (1e-5, 1e-5),
+    "argmax": (0.0, 0.0),
+}
+
+
+def _make_gated(shape):
+    def make(rng, t):
+        rows = {"o": normal(rng, (t, *shape)), "gate": normal(rng, (t, *shape), 2.0)}
+        return rows, {"w": (1 + 0.3 * normal(rng, shape[-1:])).astype(F32)}
+    return make
+
+
+def _make_argmax_ties(rng, t):
+    # small integers: many exact ties, which argmax must break to the lowest index in every row
+    return {"x": rng.integers(0, 5, (t, 300)).astype(F32)}, {}
+
+
+def _rmsnorm(eps):
+    return lambda be, r, s: be.rmsnorm(r["x"], s["w"], eps)
+
+
+def _layernorm(eps):
+    return lambda be, r, s: be.layernorm(r["x"], s["w"], s["b"], eps)
+
+
+def _gated(be, r, s):
+    return be.gated_rmsnorm(r["o"], r["gate"], s["w"], 1e-5)
+
+
+case = table(TOL)
+CASES = [
+    case("rmsnorm", make_norm((128,)), _rmsnorm(1e-5)),
+    case("rmsnorm_per_head", make_norm((2, 33)), _rmsnorm(1e-5)),
+    case("rmsnorm_unweighted", make_norm((256,), weighted=False), _rmsnorm(1e-5)),
+    case("rmsnorm_long", make_norm((1000,)), _rmsnorm(1e-6)),
+    case("layernorm", make_norm((16,), bias=True), _layernorm(1e-6)),
+    case("layernorm_odd", make_norm((301,), bias=True), _layernorm(1e-5)),
+    case("l2norm", make_rows(x=(2, 32, 1.0)), lambda be, r, s: be.l2norm(r["x"], 1e-6)),
+    case("l2norm_odd", make_rows(x=(1, 129, 1.0)), lambda be, r, s: be.l2norm(r["x"], 1e-6)),
+    case("gated_rmsnorm", _make_gated((2, 64)), _gated),
+    case("gated_rmsnorm_odd", _make_gated((3, 65)), _gated),
+    case("softmax", make_rows(x=(256, 3.0)), lambda be, r, s: be.softmax(r["x"])),
+    case("log_softmax", make_rows(x=(256, 3.0)), lambda be, r, s: be.log_softmax(r["x"])),
+    case("softmax_odd", make_rows(x=(3, 67, 3.0)), lambda be, r, s: be.softmax(r["x"])),
+    case("argmax", make_rows(x=(1001, 1.0)), lambda be, r, s: be.argmax(r["x"])),
+    case("argmax_ties", _make_argmax_ties, lambda be, r, s: be.argmax(r["x"])),
+]
+
+
+class _SumOfSquaresSplitByRowCount(NormOps):
+    """The mutation: rmsnorm whose sum of squares is cut into t interleaved partial sums."""
+
+    def rmsnorm(self, x, w, eps):
+        n = x.shape[-1]
+        flat = x.reshape(-1, n)
+        ss = split_dot(flat * flat, cp.ones((1, n), cp.float32), splits=flat.shape[0])
+        y = flat * (F32(1) / cp.sqrt(ss / F32(n) + F32(eps)))
+        return (y if w is None else y * w).reshape(x.shape)
+
+
+class TestNormOps(OpGates):
+    ops, tol, cases = NormOps, TOL, CASES
+    red_arms = (RedArm("rmsnorm_sum_split_count_tied_to_t", CASES[0], _SumOfSquaresSplitByRowCount),)
+    ulp_cases = ("rmsnorm", "softmax")
+
+
+def test_argmax_follows_numpy_on_nan_inf_and_ties():
+    x = np.array([[1.0, np.nan, 3.0, np.nan], [-np.inf] * 4, [2.0, 5.0, 5.0, -1.0],
+                  [-0.0, 0.0, -1.0, -0.0]], F32)
+    assert np.array_equal(cp.asnumpy(NormOps().argmax(cp.asarray(x))), np.argmax(x, axis=-1))
+
+
+def test_wrapper_refuses_non_contiguous_or_wrongly_typed_inputs():
+    ops = NormOps()
+    x = cp.asarray(normal(np.random.default_rng(6), (8, 64)))
+    with pytest.raises(AssertionError, match="C-contiguous"):
+        ops.rmsnorm(x.T, None, 1e-5)
+    with pytest.raises(AssertionError, match="float32"):
+        ops.softmax(x.astype(cp.float64))

@@ -293,6 +293,21 @@ def read_config_json(path, what: str, missing_error=ConfigError) -> dict:
         raise ConfigError(f"{path} is not valid JSON ({exc}); re-export the config") from None
 
 
+def read_optional_json(path: str) -> dict:
+    """A JSON object file a checkpoint may hold (generation_config.json, tokenizer_config.json):
+    {} when it is absent; ConfigError naming the file when it is unreadable or not an object."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc}); fix or delete it") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object; fix or delete it")
+    return raw
+
+
 def load_config(path: str | os.PathLike) -> ModelConfig:
     """Read a checkpoint directory's config.json (or the file itself)."""
     return ModelConfig.from_dict(read_config_json(path, "a checkpoint directory"))

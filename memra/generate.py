@@ -19,7 +19,9 @@ from memra.errors import InputError
 from memra.limits import spec_context
 from memra.model.tokens import check_token_ids
 from memra.speculative.metrics import SpecMetrics
-from memra.speculative.sampling import SampleStreams, SamplingParams, filtered_probs, refuse_penalties
+from memra.speculative.plain import PlainSession
+from memra.speculative.sampling import SamplingParams, refuse_penalties
+from memra.speculative.session import SpecSession
 
 
 @dataclass
@@ -42,7 +44,6 @@ def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, n
     and decode_s (the rest; time spent inside on_tokens is left out of both).
     """
     from memra.drafters.registry import load_drafter
-    from memra.speculative.session import SpecSession
 
     _check_count(max_new_tokens)
     if sampling is not None and not isinstance(sampling, SamplingParams):
@@ -53,58 +54,33 @@ def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, n
     vocab = model.cfg.vocab_size
     prompt = check_token_ids(prompt_ids, vocab, "prompt token id")
     eos = tuple(check_token_ids(eos, vocab, "EOS id", fix="pass ids of this model's vocab", allow_empty=True))
-    if draft is None:
-        choose = _argmax if sampling is None else _sampler(model, sampling)
-        tokens, prefill_s, decode_s = _plain(model, prompt, max_new_tokens, choose, eos, on_tokens)
-        return GenerateResult(tokens, _stats(SpecMetrics(), prefill_s, decode_s))
-    drafter = load_drafter(draft, model, draft_options)
+    drafter = None if draft is None else load_drafter(draft, model, draft_options)
     out: list[int] = []
     if max_new_tokens == 0:
         return GenerateResult(out, _stats(SpecMetrics(), 0.0, 0.0))
-    max_ctx = spec_context(len(prompt), max_new_tokens, num_draft_tokens)
     clock = _Clock(on_tokens)
-    session = SpecSession(model, prompt, drafter, max_ctx, p_min=p_min, pmin0=pmin0, sampling=sampling)
+    if drafter is None:
+        session = PlainSession(model, prompt, len(prompt) + max_new_tokens, sampling)
+        step = lambda n: session.burst(n, eos)  # noqa: E731
+    else:
+        max_ctx = spec_context(len(prompt), max_new_tokens, num_draft_tokens)
+        session = SpecSession(model, prompt, drafter, max_ctx, p_min=p_min, pmin0=pmin0, sampling=sampling)
+        step = lambda n: session.burst(n, num_draft_tokens, eos)[0]  # noqa: E731
     prefill_s = clock.lap()
     delivered = 0
     while len(out) < max_new_tokens and not session.done:
-        # streaming asks for one round per burst; the rounds (and so the tokens) are the same
+        # streaming asks for one token (plain) or one round (speculative) per burst; the tokens
+        # are the same however the bursts are cut
         target = 1 if on_tokens is not None else max_new_tokens - len(out)
-        tokens, _, _ = session.burst(target, num_draft_tokens, eos)
+        tokens = step(target)
         if not tokens:
             break
         out.extend(tokens)
         if on_tokens is not None:
-            new = _clip(out, max_new_tokens, eos)[delivered:]
+            new = clip_tokens(out, max_new_tokens, eos)[delivered:]
             delivered += len(new)
             clock.emit(new, session.metrics)
-    return GenerateResult(_clip(out, max_new_tokens, eos), _stats(session.metrics, prefill_s, clock.lap()))
-
-
-def _plain(model, prompt: list[int], max_new_tokens: int, choose, eos_ids, on_tokens=None):
-    """Plain decoding with `choose(logits) -> token`; returns (tokens, prefill_s, decode_s)."""
-    out: list[int] = []
-    if max_new_tokens == 0:
-        return out, 0.0, 0.0
-    clock = _Clock(on_tokens)
-    metrics = SpecMetrics()
-    cache = model.new_cache(len(prompt) + max_new_tokens)
-    token = choose(model.prime(prompt, cache))
-    prefill_s = clock.lap()
-    while True:
-        out.append(token)
-        clock.emit([token], metrics)
-        if token in eos_ids or len(out) == max_new_tokens:
-            return out, prefill_s, clock.lap()
-        token = choose(model.decode_step(token, cache))
-
-
-def _argmax(logits) -> int:
-    return int(np.argmax(logits))
-
-
-def _sampler(model, sampling: SamplingParams):
-    streams = SampleStreams(model.be, sampling.seed)
-    return lambda logits: streams.draw(filtered_probs(logits, sampling))
+    return GenerateResult(clip_tokens(out, max_new_tokens, eos), _stats(session.metrics, prefill_s, clock.lap()))
 
 
 class _Clock:
@@ -134,7 +110,8 @@ def _stats(metrics: SpecMetrics, prefill_s: float, decode_s: float) -> dict:
     return {**metrics.as_dict(), "prefill_s": prefill_s, "decode_s": decode_s}
 
 
-def _clip(tokens: list[int], limit: int, eos) -> list[int]:
+def clip_tokens(tokens: list[int], limit: int, eos) -> list[int]:
+    """The first `limit` tokens, cut after the first one in `eos` (kept)."""
     tokens = tokens[:limit]
     for i, t in enumerate(tokens):
         if t in eos:

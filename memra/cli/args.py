@@ -25,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {PROG} --help)")
 
 
-def _number(kind, name: str, lo=None, hi=None, lo_open=False, hi_open=False, why: str = ""):
+def number_arg(kind, name: str, lo=None, hi=None, lo_open=False, hi_open=False, why: str = ""):
     """An argparse type: parse with `kind`, then check the bounds, naming the flag."""
     def parse(text: str):
         try:
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "$XDG_CACHE_HOME/memra/demo, else ~/.cache/memra/demo)")
     src.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"),
                      help="compute backend (default auto: cuda when usable, else numpy)")
-    src.add_argument("--max-ctx", type=_number(int, "--max-ctx", lo=2, why="must be an integer >= 2"),
+    src.add_argument("--max-ctx", type=number_arg(int, "--max-ctx", lo=2, why="must be an integer >= 2"),
                      metavar="N", help="context cap, prompt + generated tokens (default: the model's "
                      "max_position_embeddings)")
 
@@ -82,32 +82,32 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", type=_prompt_ids, metavar="1,2,3", help="prompt token ids")
 
     gen = ap.add_argument_group("generation")
-    gen.add_argument("--max-new-tokens", "-n", type=_number(int, "--max-new-tokens", lo=0,
+    gen.add_argument("--max-new-tokens", "-n", type=number_arg(int, "--max-new-tokens", lo=0,
                      why="must be an integer >= 0"), default=64, metavar="N", help="default 64")
-    gen.add_argument("--eos", type=_number(int, "--eos", lo=0, why="must be a token id >= 0"), action="append",
+    gen.add_argument("--eos", type=number_arg(int, "--eos", lo=0, why="must be a token id >= 0"), action="append",
                      metavar="ID", help="stop after this token (repeatable; replaces the checkpoint's EOS ids)")
     gen.add_argument("--ignore-eos", action="store_true", help="generate all --max-new-tokens tokens")
-    gen.add_argument("--temperature", type=_number(float, "--temperature", lo=0,
+    gen.add_argument("--temperature", type=number_arg(float, "--temperature", lo=0,
                      why="must be a finite number >= 0 (0 = greedy)"), metavar="T",
                      help="0 = greedy (default: generation_config.json, else greedy)")
-    gen.add_argument("--top-k", type=_number(int, "--top-k", lo=0, why="must be an integer >= 0 (0 = off)"),
+    gen.add_argument("--top-k", type=number_arg(int, "--top-k", lo=0, why="must be an integer >= 0 (0 = off)"),
                      metavar="K", help="keep the K most likely tokens (0 = off)")
-    gen.add_argument("--top-p", type=_number(float, "--top-p", lo=0, hi=1, lo_open=True,
+    gen.add_argument("--top-p", type=number_arg(float, "--top-p", lo=0, hi=1, lo_open=True,
                      why="must be in (0, 1] (1 = off)"), metavar="P", help="nucleus mass (1 = off)")
-    gen.add_argument("--min-p", type=_number(float, "--min-p", lo=0, hi=1, hi_open=True,
+    gen.add_argument("--min-p", type=number_arg(float, "--min-p", lo=0, hi=1, hi_open=True,
                      why="must be in [0, 1) (0 = off)"), metavar="P", help="drop tokens below P x the top one")
-    gen.add_argument("--seed", type=_number(int, "--seed", lo=0, hi=2**64 - 1, why="must be an integer in "
+    gen.add_argument("--seed", type=number_arg(int, "--seed", lo=0, hi=2**64 - 1, why="must be an integer in "
                      "[0, 2^64)"), metavar="S", help="sampling seed (default 0): same seed, same tokens")
 
     spec = ap.add_argument_group("speculative decoding")
     spec.add_argument("--draft", metavar="NAME", help="draft source (see --list-drafters) or 'none' for plain "
                       "decoding (default: native-mtp when the model has an MTP block, else none)")
-    spec.add_argument("--num-draft-tokens", "-k", type=_number(int, "--num-draft-tokens", lo=1, hi=MAX_K,
+    spec.add_argument("--num-draft-tokens", "-k", type=number_arg(int, "--num-draft-tokens", lo=1, hi=MAX_K,
                       why=f"must be in 1..{MAX_K} (a round verifies K + 1 <= {MAX_K + 1} rows)"),
                       metavar="K", help="drafts per round (default 4)")
     spec.add_argument("--draft-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                       help="an option for the draft source (repeatable; VALUE read as JSON when it parses)")
-    spec.add_argument("--p-min", type=_number(float, "--p-min", lo=0, hi=1, why="must be in [0, 1]"),
+    spec.add_argument("--p-min", type=number_arg(float, "--p-min", lo=0, hi=1, why="must be in [0, 1]"),
                       metavar="P", help="confidence gate: drafts stop at the first slot the drafter is "
                       "less sure of than P (default 0 = off)")
     spec.add_argument("--p-min0", action="store_true", help="let the gate drop even the first draft")

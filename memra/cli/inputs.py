@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 
 from memra.cli.args import DEMO_PROMPT, UsageError
+from memra.config import read_optional_json
 from memra.errors import CheckpointError, ConfigError, InputError
 from memra.model.tokens import check_token_ids
 
@@ -80,17 +81,7 @@ def demo_dir(root: str | None, err=sys.stderr) -> str:
 
 
 def read_generation_config(path: str) -> dict:
-    file = os.path.join(path, GENERATION_CONFIG)
-    if not os.path.exists(file):
-        return {}
-    try:
-        with open(file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{file} is not valid JSON ({exc}); fix or delete it") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{file} must hold a JSON object; fix or delete it")
-    return raw
+    return read_optional_json(os.path.join(path, GENERATION_CONFIG))
 
 
 def prompt_ids(args, source: Source, tokenizer, stdin=None) -> list[int]:

@@ -18,6 +18,7 @@ from memra.kernels_cu.constants import (BF16_OUTS, GATE_UP_UNITS, MAX_GROUPS, MA
 
 ROUTE_ROWS = 4  # moe_route_select: rows per block, a warp each; 4 x MOE_MAX_EXPERTS scores = 48 KB
 
+
 class MoeOps:
     def moe_route(self, x, w_gate, bias, n_group: int, topk_group: int, k: int,
                   renormalize: bool, scaling: float):

@@ -15,6 +15,14 @@ import cupy as cp
 from memra.backend.cuda.runtime import BLOCK, check, f32, i32, launch, rows_of, vector
 
 
+def _row_map(kernel: str, x):
+    """A kernel that maps each row of x (last axis) to a row of the same shape, one block a row."""
+    rows, n = rows_of(x, "x")
+    out = cp.empty_like(x)
+    if rows:
+        launch("norm", kernel, (rows,), (BLOCK,), (x, out, i32(n)))
+    return out
+
 
 class NormOps:
     def rmsnorm(self, x, w, eps: float):
@@ -58,19 +66,11 @@ class NormOps:
 
     def softmax(self, x):
         """Softmax over the last axis, any leading shape."""
-        rows, n = rows_of(x, "x")
-        out = cp.empty_like(x)
-        if rows:
-            launch("norm", "softmax_rows", (rows,), (BLOCK,), (x, out, i32(n)))
-        return out
+        return _row_map("softmax_rows", x)
 
     def log_softmax(self, x):
         """Log-softmax over the last axis, any leading shape."""
-        rows, n = rows_of(x, "x")
-        out = cp.empty_like(x)
-        if rows:
-            launch("norm", "log_softmax_rows", (rows,), (BLOCK,), (x, out, i32(n)))
-        return out
+        return _row_map("log_softmax_rows", x)
 
     def argmax(self, x):
         """Row-wise argmax over the last axis (int64, the lowest index among ties, NaN first)."""

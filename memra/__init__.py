@@ -29,6 +29,9 @@ def load_model(path: str | os.PathLike, backend: str = "auto"):
     from memra.checkpoint import load_checkpoint
     from memra.model.trunk import Glm5Model
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise errors.InputError(f"load_model: path must be a checkpoint directory (a str or os.PathLike), got "
+                                f"{type(path).__name__} {path!r:.40}")
     be = get_backend(backend)
     cfg = load_config(path)
     return Glm5Model(cfg, load_checkpoint(path, cfg, keep_bf16=True), be)

@@ -1,10 +1,12 @@
-"""The glm5_next tensor contract: what a checkpoint must hold, loading it, and writing fixtures.
+"""The glm5_next tensor contract: what a checkpoint must hold, and loading it.
 
 A checkpoint arrives under several spellings (the release's `model.language_model.` prefix, a flat
 `model.` or bare text-model export, transformers' live fused tensors) and in F32, BF16 or F16. This
 module maps all of them to one set of canonical bare names (research/glm5_checkpoint.md section 1),
-checks the result against `expected_tensors(cfg)` and refuses with ONE `CheckpointError` that lists
-every missing, unexpected, misshaped or unsupported tensor, so a broken export is fixed in one pass.
+checks the result against `expected_tensors(cfg)` and refuses with ONE `CheckpointError` that names
+every missing, unexpected, misshaped, unsupported or non-finite (NaN/inf) tensor, so a broken
+export is fixed in one pass. Before any tensor is read, the config's declared sizes are checked
+against the headers (a tensor count the files cannot hold) and the memory plan (memra/memory.py).
 
     cfg = load_config(ckpt_dir)
     weights = load_checkpoint(ckpt_dir, cfg)          # canonical name -> float32 array
@@ -13,24 +15,25 @@ every missing, unexpected, misshaped or unsupported tensor, so a broken export i
 
 from __future__ import annotations
 
-import json
-import math
+import dataclasses
 import os
 import re
-import zlib
 
 import numpy as np
 
 from memra.config import KDA, ModelConfig
-from memra.errors import CheckpointError
+from memra.errors import CheckpointError, InputError
+from memra.jsonfile import read_json_object
+from memra.memory import check_weights_fit, weight_bytes
 from memra.safetensors_io import (
-    SUPPORTED_DTYPES, bf16_to_f32, read_header, read_tensors, write_safetensors,
+    SUPPORTED_DTYPES, all_finite, bf16_to_f32, nonfinite_count, read_header, read_tensors,
 )
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PREFIXES = ("model.language_model.", "model.")
-_MAX_LISTED = 40  # offenders shown in one error; the rest are counted
+_COUNT_SLACK = 64      # tensors past 2x the files' count before a config is refused unenumerated
+_LISTED_PER_LINE = 6  # offenders a one-line refusal names; the rest are counted (all in .details)
 
 
 # ---- the contract -----------------------------------------------------------------------------
@@ -118,6 +121,16 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def expected_count(cfg: ModelConfig) -> int:
+    """len(expected_tensors(cfg)) without enumerating experts: what a declared size costs to check."""
+    moe = len(_moe(dataclasses.replace(cfg, n_routed_experts=0))) + 3 * cfg.n_routed_experts
+    n = 2 + (0 if cfg.tie_word_embeddings else 1)
+    for i in range(cfg.num_hidden_layers):
+        mixer = _kda(cfg) if cfg.layer_types[i] == KDA else _dsa(cfg, cfg.indexer_types[i] == "full")
+        n += 2 + len(_hc(cfg)) + len(mixer) + (3 if cfg.mlp_layer_types[i] == "dense" else moe)
+    return n + (6 + len(_dsa(cfg, with_indexer=True)) + moe if cfg.has_mtp else 0)
+
+
 # ---- name normalisation -----------------------------------------------------------------------
 
 def _canonical_name(raw: str, cfg: ModelConfig) -> str | None:
@@ -189,7 +202,7 @@ def _shard_plan(path: str) -> dict[str, list[str] | None]:
     if os.path.isfile(single):
         return {single: None}
     index = os.path.join(path, INDEX_FILE)
-    if not os.path.isfile(index):
+    if not os.path.lexists(index):  # anything else there (a FIFO, a directory) the reader refuses
         raise CheckpointError(
             f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}: not a checkpoint directory")
     weight_map = _read_weight_map(index)
@@ -204,17 +217,14 @@ def _shard_plan(path: str) -> dict[str, list[str] | None]:
 
 
 def _read_weight_map(index: str) -> dict[str, str]:
-    try:
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{index} is not a JSON object with a weight_map ({exc}); re-export it") from None
+    fix = "re-export it (a JSON object with a weight_map)"
+    weight_map = read_json_object(index, CheckpointError, fix).get("weight_map")
     # Shards must be plain file names beside the index: an index cannot send the loader elsewhere.
     ok = isinstance(weight_map, dict) and all(
         isinstance(s, str) and os.path.basename(s) == s and s not in ("", ".", "..") for s in weight_map.values())
     if not ok:
         raise CheckpointError(
-            f"{index}: weight_map must map tensor names to shard file names in the same directory")
+            f"{index}: weight_map must map tensor names to shard file names in the same directory; re-export it")
     return weight_map
 
 
@@ -230,44 +240,77 @@ def _natural(text: str) -> list:
 
 
 class _Census:
-    """Offenders against the contract, collected so one error can list them all."""
+    """Offenders against the contract, collected so one error can name them all."""
+
+    KINDS = ("missing", "unexpected", "wrong shape", "unsupported dtype", "not finite", "duplicate", "malformed")
 
     def __init__(self):
-        self.lines: dict[str, list[str]] = {"missing": [], "unexpected": [], "wrong shape": [],
-                                            "unsupported dtype": [], "duplicate": [], "malformed": []}
+        self.lines: dict[str, list[str]] = {kind: [] for kind in self.KINDS}
 
     def add(self, kind: str, line: str) -> None:
         self.lines[kind].append(line)
 
     def raise_if_any(self, path: str) -> None:
-        total = sum(len(v) for v in self.lines.values())
-        if not total:
-            return
         kinds = {k: sorted(v, key=_natural) for k, v in self.lines.items() if v}
+        if not kinds:
+            return
         counts = ", ".join(f"{len(v)} {k}" for k, v in kinds.items())
-        # Each kind gets its share of the listing, so a long "missing" list cannot hide the one
-        # wrong shape that explains it.
-        share = max(_MAX_LISTED // len(kinds), 3)
+        # One line: every kind's first offenders (a long "missing" list cannot hide the one wrong
+        # shape that explains it); the full list rides on the error as `details`.
+        share = max(_LISTED_PER_LINE // len(kinds), 1)
         listed = []
         for kind, lines in kinds.items():
-            listed += [f"  {kind}: {line}" for line in lines[:share]]
-            if len(lines) > share:
-                listed.append(f"  ... and {len(lines) - share} more {kind}")
+            listed.append(f"{kind}: " + "; ".join(lines[:share])
+                          + (f"; ... and {len(lines) - share} more {kind}" if len(lines) > share else ""))
+        err = CheckpointError(
+            f"checkpoint {path} breaks the tensor contract of its config ({counts}): " + " | ".join(listed)
+            + " (the full list: --debug, or the error's .details); fix: re-export the checkpoint for this "
+            "config.json, or fix config.json to match it")
+        err.details = [f"{kind}: {line}" for kind, lines in kinds.items() for line in lines]
+        raise err
+
+
+def _parts(name: str, shape: tuple[int, ...]) -> int:
+    """How many canonical tensors one stored tensor becomes (a fused live tensor splits)."""
+    match = _FUSED.match(name)
+    if match is None or len(shape) != 3:
+        return 1
+    kind = match.group(2)
+    return 3 if kind == "self_attn.conv1d.weight" else shape[0] * (2 if kind.endswith("gate_up_proj") else 1)
+
+
+def _check_declared_count(path: str, cfg: ModelConfig, kept: list) -> None:
+    """Before the contract is enumerated: a config declaring far more tensors than the files hold
+    (an absurd layer or expert count) is refused here, at the cost of a few multiplications. Up
+    to twice the files' count the census runs and names each missing tensor, so what it
+    enumerates stays linear in what the files hold."""
+    held = sum(_parts(name, entry.shape) for name, entry in kept)
+    declared = expected_count(cfg)
+    if declared > 2 * held + _COUNT_SLACK:
+        sparse = sum(t == "sparse" for t in cfg.mlp_layer_types) + cfg.has_mtp
         raise CheckpointError(
-            f"checkpoint {path} breaks the tensor contract of its config ({counts}):\n"
-            + "\n".join(listed)
-            + "\nFix: re-export the checkpoint for this config.json, or fix config.json to match it.")
+            f"config.json of {path} declares {declared} tensors (num_hidden_layers {cfg.num_hidden_layers}, "
+            f"n_routed_experts {cfg.n_routed_experts} in each of {sparse} MoE layers, num_nextn_predict_layers "
+            f"{cfg.num_nextn_predict_layers}) but the checkpoint files hold {held}: fix config.json to match "
+            "the checkpoint, or re-export it")
 
 
-def _file_tensors(file: str, promised, cfg: ModelConfig, keep_bf16: bool, census: _Census):
+def _headers(path: str, cfg: ModelConfig) -> list:
+    """[(file, header, {raw name: canonical name} of its kept tensors)], every index promise checked."""
+    out = []
+    for file, promised in _shard_plan(path).items():
+        header = read_header(file)
+        for name in promised or ():
+            if name not in header.entries:
+                raise CheckpointError(f"{INDEX_FILE} maps {name} to {os.path.basename(file)}, "
+                                      "but that shard does not hold it; re-download or re-export")
+        kept = {raw: _canonical_name(raw, cfg) for raw in header.entries}
+        out.append((file, header, {raw: name for raw, name in kept.items() if name is not None}))
+    return out
+
+
+def _file_tensors(file: str, header, kept: dict, keep_bf16: bool, census: _Census):
     """Yield (raw name, canonical name, shape, array or None) for one file's kept tensors."""
-    header = read_header(file)
-    for name in promised or ():
-        if name not in header.entries:
-            raise CheckpointError(f"{INDEX_FILE} maps {name} to {os.path.basename(file)}, "
-                                  "but that shard does not hold it; re-download or re-export")
-    kept = {raw: _canonical_name(raw, cfg) for raw in header.entries}
-    kept = {raw: name for raw, name in kept.items() if name is not None}
     readable = [raw for raw in kept if header.entries[raw].dtype in SUPPORTED_DTYPES]
     arrays = read_tensors(file, header, readable)  # ignored tensors are never read
     for raw, name in kept.items():
@@ -276,16 +319,24 @@ def _file_tensors(file: str, promised, cfg: ModelConfig, keep_bf16: bool, census
             supported = ", ".join(SUPPORTED_DTYPES)
             census.add("unsupported dtype", f"{raw} is {entry.dtype} (memra reads {supported})")
             yield raw, name, entry.shape, None
-        else:
-            yield raw, name, entry.shape, _widen(arrays.pop(raw), entry.dtype, keep_bf16)
+            continue
+        arr = arrays.pop(raw)
+        if not all_finite(arr, entry.dtype):  # NaN/inf weights decode garbage (token 0 forever)
+            census.add("not finite", f"{raw} holds {nonfinite_count(arr, entry.dtype)} NaN/inf values")
+        yield raw, name, entry.shape, _widen(arr, entry.dtype, keep_bf16)
 
 
 def _collect(path: str, cfg: ModelConfig, keep_bf16: bool, census: _Census):
-    """Canonical name -> (shape, array or None for an unsupported dtype), fused tensors split."""
+    """Canonical name -> (shape, array or None for an unsupported dtype), fused tensors split.
+    Declared sizes are checked against the headers and the host's memory before any tensor is read."""
+    files = _headers(path, cfg)
+    entries = [(raw, header.entries[raw]) for _, header, kept in files for raw in kept]
+    _check_declared_count(path, cfg, entries)
+    check_weights_fit(weight_bytes(((e.dtype, e.shape) for _, e in entries), keep_bf16), path)
     got: dict[str, tuple[tuple[int, ...], np.ndarray | None]] = {}
     source: dict[str, str] = {}
-    for file, promised in _shard_plan(path).items():
-        for raw, name, shape, arr in _file_tensors(file, promised, cfg, keep_bf16, census):
+    for file, header, kept in files:
+        for raw, name, shape, arr in _file_tensors(file, header, kept, keep_bf16, census):
             parts = {name: arr}
             if arr is not None and _FUSED.match(name):
                 parts = _unfuse(name, arr)
@@ -304,8 +355,12 @@ def load_checkpoint(path, cfg: ModelConfig, keep_bf16: bool = False) -> dict[str
     """Load a checkpoint directory (single file or sharded) or one .safetensors file.
 
     Returns canonical bare name -> float32 array (BF16/F16 widened); with keep_bf16 BF16 tensors
-    stay raw uint16 bits. Raises one CheckpointError listing every contract offender.
+    stay raw uint16 bits. Raises one CheckpointError naming every contract offender (NaN/inf
+    weights included), or one naming a declared size the files or the host memory cannot hold.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"checkpoint path must be a str or os.PathLike, got {type(path).__name__}: "
+                         "pass the checkpoint directory")
     path = os.fspath(path)
     census = _Census()
     got = _collect(path, cfg, keep_bf16, census)
@@ -321,66 +376,6 @@ def load_checkpoint(path, cfg: ModelConfig, keep_bf16: bool = False) -> dict[str
     return {name: got[name][1] for name in expected}
 
 
-# ---- fixtures ---------------------------------------------------------------------------------
-
-_LOGIT_STD = 2.5  # target spread of fixture logits over the vocab
-
-
-def fixture_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> np.ndarray:
-    """One deterministic random float32 tensor of the fixture checkpoint (write_fixture writes them;
-    the benchmarks build them in memory); every constant-initialised HF parameter is randomised."""
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])  # per-name: adding a tensor shifts none
-    d, n = cfg.hidden_size, cfg.hc_mult
-    leaf = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name.rsplit(".", 1)[-1]
-    normal = lambda std: rng.normal(0.0, std, shape)  # noqa: E731
-    uniform = lambda lo, hi: rng.uniform(lo, hi, shape)  # noqa: E731
-    if name == "embed_tokens.weight":
-        # Tied: the embedding is also the head, so scale it to give logits of std ~_LOGIT_STD.
-        arr = normal(_LOGIT_STD / math.sqrt(d) if cfg.tie_word_embeddings else 1.0)
-    elif name == "lm_head.weight":
-        arr = normal(_LOGIT_STD / math.sqrt(d))
-    elif name.endswith("norm.weight"):
-        arr = 1.0 + uniform(-0.3, 0.3)
-    elif name.endswith("k_norm.bias"):
-        arr = normal(0.2)
-    elif leaf == "A_log":
-        arr = uniform(0.0, math.log(16.0))
-    elif leaf == "dt_bias":
-        arr = normal(0.5)
-    elif leaf.endswith("_base") and leaf.startswith("hc_"):
-        arr = normal(0.5)
-    elif leaf.endswith("_scale") and leaf.startswith("hc_"):
-        arr = uniform(0.5, 1.5)
-    elif leaf.endswith("_fn") and leaf.startswith("hc_"):
-        arr = normal(0.5 / math.sqrt(n * d))
-    elif leaf == "index_kpool_compress_ape":
-        arr = normal(0.5)
-    elif leaf == "index_kpool_compress_gate":
-        arr = normal(1.0 / math.sqrt(d))
-    elif leaf == "e_score_correction_bias":
-        arr = uniform(-0.1, 0.1)
-    elif leaf.endswith("conv1d"):
-        arr = normal(0.5)
-    elif len(shape) == 2:
-        arr = normal(1.0 / math.sqrt(shape[1]))
-    else:
-        raise AssertionError(f"no fixture distribution for {name}")
-    return arr.astype(np.float32)
-
-
-def write_fixture(dir, config_dict: dict, seed: int = 0, dtype: str = "float32") -> str:
-    """Write config.json + model.safetensors (names under `model.`) for a random `config_dict` model."""
-    cfg = ModelConfig.from_dict(config_dict)
-    dir = os.fspath(dir)
-    os.makedirs(dir, exist_ok=True)
-    # transformers defaults pad_token_id to the real vocab's 154820, which a tiny vocab cannot
-    # embed; memra ignores the key, so a missing one is pinned to 0 to keep fixtures HF-loadable.
-    on_disk = {**config_dict, "pad_token_id": config_dict.get("pad_token_id", 0)}
-    with open(os.path.join(dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(on_disk, f, indent=2)
-    tensors = {}
-    for name, shape in expected_tensors(cfg).items():
-        disk = name if name == "lm_head.weight" else "model." + name
-        tensors[disk] = fixture_tensor(name, shape, cfg, seed)
-    write_safetensors(os.path.join(dir, SINGLE_FILE), tensors, dtype=dtype, metadata={"format": "pt"})
-    return dir
+# The deterministic fixture writer lives in memra/fixtures.py; memra.checkpoint.write_fixture and
+# fixture_tensor stay importable from here.
+from memra.fixtures import fixture_tensor, write_fixture  # noqa: E402, F401

@@ -12,11 +12,11 @@ research/glm5_checkpoint.md). Anything inconsistent or unsupported is refused wi
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass, fields
 
-from memra.errors import ConfigError
+from memra.errors import ConfigError, InputError
+from memra.jsonfile import read_json_object
 from memra.schedules import DSA, KDA, coerce, indexer_types, layer_types, mlp_layer_types, require
 
 
@@ -137,6 +137,8 @@ class ModelConfig:
 
 
 _TYPES = {f.name: f.type for f in fields(ModelConfig)}
+MAX_LAYERS = 1024     # 16x the deepest public MoE; the schedules are enumerated per layer
+MAX_SIZE = 2**31 - 1  # every declared size: the kernels index rows, columns and positions with int32
 _LINEAR_KEYS = {
     "num_heads": "linear_num_heads",
     "head_dim": "linear_head_dim",
@@ -189,6 +191,7 @@ def _parse(raw: dict) -> ModelConfig:
         eos_list = eos if isinstance(eos, list) else [eos]
         kw["eos_token_id"] = tuple(coerce("eos_token_id", e, "int") for e in eos_list)
 
+    _check_declared_sizes(kw)
     n_layers = kw.get("num_hidden_layers", ModelConfig.num_hidden_layers)
     require(n_layers >= 1, f"num_hidden_layers must be >= 1, got {n_layers}")
     kw["layer_types"] = layer_types(text, lac, n_layers)
@@ -197,6 +200,18 @@ def _parse(raw: dict) -> ModelConfig:
     cfg = ModelConfig(**kw)
     _validate(cfg, text)
     return cfg
+
+
+def _check_declared_sizes(kw: dict) -> None:
+    """Before anything is enumerated per layer: every integer size inside int32, the layer count
+    inside MAX_LAYERS (the checkpoint files bound the rest, see memra.checkpoint)."""
+    for name, value in kw.items():
+        if _TYPES[name] == "int":
+            require(value <= MAX_SIZE, f"{name} {value} is past {MAX_SIZE} (the kernels index with int32): "
+                    "fix config.json")
+    n_layers = kw.get("num_hidden_layers", ModelConfig.num_hidden_layers)
+    require(n_layers <= MAX_LAYERS, f"num_hidden_layers {n_layers} is past the bound of {MAX_LAYERS} layers: "
+            "fix config.json")
 
 
 def _validate(cfg: ModelConfig, text: dict) -> None:
@@ -270,42 +285,32 @@ def _validate(cfg: ModelConfig, text: dict) -> None:
         require(cfg.n_shared_experts >= 1, f"n_shared_experts must be >= 1, got {cfg.n_shared_experts}")
     if "dense" in cfg.mlp_layer_types:
         require(cfg.intermediate_size >= 1, "intermediate_size must be >= 1")
+    full_seen = False  # one pass: a shared DSA layer needs a full one before it
     for i, t in enumerate(cfg.layer_types):
-        if t == DSA and cfg.indexer_types[i] == "shared":
-            cfg.indexer_source(i)  # raises when no full DSA layer precedes it
+        if t == DSA and cfg.indexer_types[i] == "shared" and not full_seen:
+            cfg.indexer_source(i)  # raises, naming the layer
+        full_seen |= t == DSA and cfg.indexer_types[i] == "full"
 
 
 def read_config_json(path, what: str, missing_error=ConfigError) -> dict:
     """The parsed config.json of a directory (or the file itself); `what` names the directory
     kind in the error ("a checkpoint directory"); a missing or unreadable file raises
-    `missing_error`, a malformed one ConfigError."""
+    `missing_error`, a malformed one (see memra.jsonfile) ConfigError."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"the path must be a str or os.PathLike, got {type(path).__name__} {path!r:.40}: "
+                         f"point at {what}")
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise missing_error(f"no config.json at {path}: point at {what}") from None
-    except OSError as exc:
-        raise missing_error(f"cannot read {path} ({exc.strerror}): point at {what}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc}); re-export the config") from None
+    if not os.path.lexists(path):
+        raise missing_error(f"no config.json at {path}: point at {what}")
+    return read_json_object(path, ConfigError, "re-export the config", io_error=missing_error)
 
 
 def read_optional_json(path: str) -> dict:
     """A JSON object file a checkpoint may hold (generation_config.json, tokenizer_config.json):
     {} when it is absent; ConfigError naming the file when it is unreadable or not an object."""
-    if not os.path.exists(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc}); fix or delete it") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a JSON object; fix or delete it")
-    return raw
+    return read_json_object(path, ConfigError, "fix or delete it", absent={})
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:

@@ -13,14 +13,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from memra.errors import InputError
+from memra.arguments import check_draft_k, check_fits_context, check_request
 from memra.limits import spec_context
-from memra.model.tokens import check_token_ids
+from memra.memory import context_limit
 from memra.speculative.metrics import SpecMetrics
 from memra.speculative.plain import PlainSession
-from memra.speculative.sampling import SamplingParams, refuse_penalties
 from memra.speculative.session import SpecSession
 
 
@@ -45,16 +42,15 @@ def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, n
     """
     from memra.drafters.registry import load_drafter
 
-    _check_count(max_new_tokens)
-    if sampling is not None and not isinstance(sampling, SamplingParams):
-        raise InputError("sampling must be a memra.SamplingParams (or None for greedy)")
-    refuse_penalties(sampling)
-    if sampling is not None and sampling.greedy:
-        sampling = None
-    vocab = model.cfg.vocab_size
-    prompt = check_token_ids(prompt_ids, vocab, "prompt token id")
-    eos = tuple(check_token_ids(eos, vocab, "EOS id", fix="pass ids of this model's vocab", allow_empty=True))
-    drafter = None if draft is None else load_drafter(draft, model, draft_options)
+    # one validation path for plain and speculative alike, before anything loads or allocates
+    req = check_request(model, prompt_ids, max_new_tokens, draft, num_draft_tokens, draft_options, sampling, eos,
+                        p_min, pmin0, on_tokens)
+    prompt, max_new_tokens, sampling, eos, k = req.prompt, req.max_new_tokens, req.sampling, req.eos, req.k
+    drafter = None if req.draft is None else load_drafter(req.draft, model, req.draft_options)
+    if drafter is not None:
+        check_draft_k(k, drafter, req.draft)
+    # a speculative round may run k + slack positions past the last token
+    check_fits_context(req, *context_limit(model.cfg, model.be), 0 if drafter is None else spec_context(0, 0, k))
     out: list[int] = []
     if max_new_tokens == 0:
         return GenerateResult(out, _stats(SpecMetrics(), 0.0, 0.0))
@@ -63,9 +59,9 @@ def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, n
         session = PlainSession(model, prompt, len(prompt) + max_new_tokens, sampling)
         step = lambda n: session.burst(n, eos)  # noqa: E731
     else:
-        max_ctx = spec_context(len(prompt), max_new_tokens, num_draft_tokens)
-        session = SpecSession(model, prompt, drafter, max_ctx, p_min=p_min, pmin0=pmin0, sampling=sampling)
-        step = lambda n: session.burst(n, num_draft_tokens, eos)[0]  # noqa: E731
+        max_ctx = spec_context(len(prompt), max_new_tokens, k)
+        session = SpecSession(model, prompt, drafter, max_ctx, p_min=req.p_min, pmin0=req.pmin0, sampling=sampling)
+        step = lambda n: session.burst(n, k, eos)[0]  # noqa: E731
     prefill_s = clock.lap()
     delivered = 0
     while len(out) < max_new_tokens and not session.done:
@@ -119,6 +115,3 @@ def clip_tokens(tokens: list[int], limit: int, eos) -> list[int]:
     return tokens
 
 
-def _check_count(n) -> None:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise InputError(f"max_new_tokens must be a non-negative integer, got {n!r}")

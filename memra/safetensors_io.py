@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from memra.errors import CheckpointError, InputError
+from memra.jsonfile import parse_json
 
 SUPPORTED_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 # Bits per element of every dtype the format defines: a file holding one of the unsupported ones is
@@ -80,22 +81,9 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _no_duplicate_keys(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 def _parse_json(path, raw: bytes) -> dict:
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except UnicodeDecodeError:
-        raise _fail(path, "header is not UTF-8; the file is corrupt") from None
-    except (ValueError, RecursionError) as exc:
-        raise _fail(path, f"header is not valid JSON ({str(exc)[:120]}); the file is corrupt") from None
+    header = parse_json(raw, f"{os.fspath(path)}: header", CheckpointError, "the file is corrupt",
+                        limit=MAX_HEADER_BYTES)
     if not isinstance(header, dict):
         raise _fail(path, f"header must be a JSON object, got {type(header).__name__}")
     return header
@@ -187,6 +175,30 @@ def read_tensors(path, header: Header, names) -> dict[str, np.ndarray]:
     except OSError as exc:
         raise _fail(path, f"cannot read safetensors file ({exc.strerror or exc})") from None
     return out
+
+
+# Per readable dtype: the unsigned view, the mask dropping the sign, and the first non-finite
+# pattern (all exponent bits set: inf, then every NaN above it).
+_NONFINITE_BITS = {"F32": (np.uint32, 0x7FFFFFFF, 0x7F800000), "F16": (np.uint16, 0x7FFF, 0x7C00),
+                   "BF16": (np.uint16, 0x7FFF, 0x7F80)}
+_FINITE_CHUNK = 1 << 18  # elements per pass: the masked copy stays in cache
+
+
+def all_finite(arr: np.ndarray, dtype: str) -> bool:
+    """Whether every element of a tensor read as `dtype` (raw bits for BF16) is finite: one
+    vectorised pass over the bits, in chunks, so the check costs no tensor-sized temporary."""
+    view, mask, first_bad = _NONFINITE_BITS[dtype]
+    bits = np.ascontiguousarray(arr).reshape(-1).view(view)
+    for start in range(0, bits.size, _FINITE_CHUNK):
+        if int(np.bitwise_and(bits[start:start + _FINITE_CHUNK], view(mask)).max()) >= first_bad:
+            return False
+    return True
+
+
+def nonfinite_count(arr: np.ndarray, dtype: str) -> int:
+    view, mask, first_bad = _NONFINITE_BITS[dtype]
+    bits = np.ascontiguousarray(arr).reshape(-1).view(view)
+    return int(np.count_nonzero(np.bitwise_and(bits, view(mask)) >= first_bad))
 
 
 def _unsupported_message(names_dtypes) -> str:

@@ -127,7 +127,7 @@ class NumpyBackend:
                 out[r, h] = w[h] @ x[r, h]
         return out
 
-    # ---- norms and activations -------------------------------------------------------------
+    # ---- norms, activations, elementwise arithmetic ----------------------------------------
     def rmsnorm(self, x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
         """RMSNorm over the last axis (w=None: unweighted)."""
         flat = x.reshape(-1, x.shape[-1])
@@ -170,6 +170,14 @@ class NumpyBackend:
         lim = F32(limit)
         return (_silu(np.minimum(gate, lim)) * np.clip(up, -lim, lim)).astype(F32)
 
+    def scale(self, x: np.ndarray, factor: float) -> np.ndarray:
+        """x * float32(factor), elementwise (the KDA q scale, the indexer weight scale)."""
+        return x * F32(factor)
+
+    def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """a + b, elementwise, same shapes (the MoE routed + shared expert sum)."""
+        return a + b
+
     def softmax(self, x: np.ndarray) -> np.ndarray:
         return _softmax(x, axis=-1)
 
@@ -194,8 +202,7 @@ class NumpyBackend:
         from a row softmax and ending with a column normalisation.
         """
         t, n, _ = streams.shape
-        pre = np.empty((t, n), F32)
-        post = np.empty((t, n), F32)
+        pre, post = np.empty((t, n), F32), np.empty((t, n), F32)
         comb = np.empty((t, n, n), F32)
         eps = F32(hc_eps)
         for r in range(t):
@@ -343,8 +350,7 @@ class NumpyBackend:
         """noaux_tc sigmoid routing: choose by score + bias (within the best groups), weigh by
         the unbiased score. Returns (experts [t, k] ascending, weights [t, k])."""
         t, e = x.shape[0], w_gate.shape[0]
-        idx = np.empty((t, k), np.int64)
-        wts = np.empty((t, k), F32)
+        idx, wts = np.empty((t, k), np.int64), np.empty((t, k), F32)
         for r in range(t):
             s = _sigmoid(w_gate @ x[r])
             sb = s + bias

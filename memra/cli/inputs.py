@@ -8,7 +8,6 @@ transformers reads it: greedy unless do_sample; top_k 50 when sampling and unset
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from memra.cli.args import DEMO_PROMPT, UsageError
 from memra.config import read_optional_json
 from memra.errors import CheckpointError, ConfigError, InputError
+from memra.jsonfile import parse_json
 from memra.model.tokens import check_token_ids
 
 DEMO_PRESET = "small"
@@ -58,6 +58,7 @@ def demo_dir(root: str | None, err=sys.stderr) -> str:
     path = os.path.join(os.path.expanduser(root or demo_root()), f"{DEMO_PRESET}-seed{DEMO_SEED}")
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
+    _check_writable_dir(path, "--demo-dir" if root else "the demo cache (XDG_CACHE_HOME)")
     print(f"memra: first run: writing the demo model (the `{DEMO_PRESET}` preset, random weights, "
           f"byte-level vocab) to {path}; later runs reuse it", file=err, flush=True)
     parent, tmp = os.path.dirname(path), None
@@ -80,6 +81,18 @@ def demo_dir(root: str | None, err=sys.stderr) -> str:
     return path
 
 
+def _check_writable_dir(path: str, flag: str) -> None:
+    """Before anything prints: the nearest existing ancestor of `path` must be a writable directory."""
+    probe = path
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{flag}: {probe} is a file, not a directory: point {flag.split()[0]} at a directory")
+    if probe != path and not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}: {probe} is not writable, so the demo model cannot be written there: "
+                         "pass --demo-dir DIR with a writable directory")
+
+
 def read_generation_config(path: str) -> dict:
     return read_optional_json(os.path.join(path, GENERATION_CONFIG))
 
@@ -95,9 +108,11 @@ def prompt_ids(args, source: Source, tokenizer, stdin=None) -> list[int]:
             why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot read it ({why})") from None
     elif args.prompt == "-":
-        text = (stdin or sys.stdin).read()
+        text = _read_stdin(stdin or sys.stdin)
     elif args.prompt is not None:
         text = args.prompt
+        if not _utf8(text):
+            raise UsageError("--prompt holds bytes that are not UTF-8 text: pass UTF-8, or the ids with --prompt-ids")
     elif source.demo:
         text = DEMO_PROMPT
     else:
@@ -111,14 +126,40 @@ def prompt_ids(args, source: Source, tokenizer, stdin=None) -> list[int]:
     return ids
 
 
-def check_context(args, cfg, n_prompt: int, err=sys.stderr) -> int:
-    """The max_new_tokens that fits the context; refuses a prompt that does not fit at all."""
-    limit = cfg.max_position_embeddings
+def _utf8(text: str) -> bool:
+    """False for text holding undecodable argv bytes (Python keeps them as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _read_stdin(stdin) -> str:
+    if stdin is None or getattr(stdin, "closed", False):
+        raise UsageError("--prompt -: stdin is closed: pipe the prompt in, or give --prompt TEXT or --prompt-file")
+    try:
+        raw = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read()
+    except OSError as exc:
+        raise UsageError(f"--prompt -: cannot read stdin ({exc.strerror or exc})") from None
+    if isinstance(raw, str):
+        return raw
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--prompt -: stdin is not UTF-8 text (byte {exc.start}): pass UTF-8, or the ids "
+                         "with --prompt-ids") from None
+
+
+def check_context(args, cfg, n_prompt: int, err=sys.stderr, limit: int | None = None,
+                  why: str = "the model's max_position_embeddings") -> int:
+    """The max_new_tokens that fits the context; refuses a prompt that does not fit at all.
+    `limit` (what `why` names) is the largest context allowed: memra.memory.context_limit."""
+    limit = cfg.max_position_embeddings if limit is None else limit
     if args.max_ctx is not None and args.max_ctx > limit:
-        raise UsageError(f"--max-ctx {args.max_ctx} is past the model's max_position_embeddings ({limit}): "
-                         f"give at most {limit}")
+        raise UsageError(f"--max-ctx {args.max_ctx} is past {why} ({limit}): give at most {limit}")
     ctx = args.max_ctx or limit
-    where = "--max-ctx" if args.max_ctx else "the model's max_position_embeddings"
+    where = "--max-ctx" if args.max_ctx else why
     room = ctx - n_prompt - CONTEXT_SLACK
     if room < 1:
         fixes = [f"shorten the prompt to at most {ctx - CONTEXT_SLACK - 1} tokens"] if ctx > CONTEXT_SLACK + 1 else []
@@ -156,28 +197,39 @@ def sampling_params(args, source: Source):
     from memra.speculative.sampling import SamplingParams
 
     gen = source.generation
-    sampling = bool(gen.get("do_sample", False))
+    sampling = gen.get("do_sample", False)
+    if not isinstance(sampling, bool):
+        raise ConfigError(f"{GENERATION_CONFIG} do_sample must be true or false, got {sampling!r}: fix it")
     defaults = {"temperature": 1.0, "top_k": HF_TOP_K, "top_p": 1.0, "min_p": 0.0} if sampling else \
         {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
     values = {}
     for key, default in defaults.items():
         flag = getattr(args, key)
-        value = flag if flag is not None else gen.get(key) if sampling and gen.get(key) is not None else default
-        values[key] = value
+        from_file = flag is None and sampling and gen.get(key) is not None
+        if from_file:
+            _check_generation_value(key, gen[key])
+        values[key] = flag if flag is not None else gen[key] if from_file else default
     if values["temperature"] == 0:
         return None
     try:
-        return SamplingParams(temperature=float(values["temperature"]), top_k=int(values["top_k"]),
-                              top_p=float(values["top_p"]), min_p=float(values["min_p"]),
-                              seed=args.seed if args.seed is not None else 0)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{GENERATION_CONFIG} has a bad sampling value ({exc}): fix it or pass the flag") from None
+        return SamplingParams(temperature=values["temperature"], top_k=values["top_k"], top_p=values["top_p"],
+                              min_p=values["min_p"], seed=args.seed if args.seed is not None else 0)
     except InputError as exc:  # name the flag (or the file) the value came from
         message = str(exc)
         for key in values:
             origin = "--" + key.replace("_", "-") if getattr(args, key) is not None else f"{GENERATION_CONFIG} {key}"
             message = message.replace(f"SamplingParams.{key}", origin)
         raise InputError(message) from None
+
+
+def _check_generation_value(key: str, value) -> None:
+    """A sampling value from generation_config.json is taken as written or refused: never
+    truncated (top_k 2.5 -> 2) or coerced from a string."""
+    integer = key == "top_k"
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok:
+        raise ConfigError(f"{GENERATION_CONFIG} {key} must be {'an integer' if integer else 'a number'}, got "
+                          f"{value!r}: fix it, or pass --{key.replace('_', '-')}")
 
 
 def draft_choice(args, source: Source, cfg) -> tuple[str | None, str]:
@@ -197,9 +249,9 @@ def draft_choice(args, source: Source, cfg) -> tuple[str | None, str]:
 def draft_options(pairs) -> dict | None:
     options = {}
     for key, value in pairs:
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
+        try:  # the guarded parser: a value nested past its bound stays a string, never a RecursionError
+            options[key] = parse_json(value, f"--draft-option {key}", ValueError)
+        except ValueError:
             options[key] = value
     return options or None
 

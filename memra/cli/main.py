@@ -19,6 +19,7 @@ from memra.cli import inputs
 from memra.cli.args import UsageError, parse_args
 from memra.cli.output import Progress, Report, TextPrinter, record, summary
 from memra.errors import MemraError
+from memra.memory import context_limit
 from memra.model.tokens import check_token_ids
 
 EXIT_REFUSED = 2
@@ -30,9 +31,13 @@ WARMUP_PROMPT = 64   # long enough to reach the sparse (kpool) attention path
 def main(argv=None) -> int:
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     out, err = sys.stdout, sys.stderr
-    _tolerant(out)
+    _tolerant(out, "replace")
+    _tolerant(err, "backslashreplace")   # a refusal quoting non-UTF-8 argv bytes still prints
     held = {}                            # the text printer, once there is one (for Ctrl-C)
     try:
+        if out is None:                  # started with stdout closed (`>&-`)
+            raise UsageError("stdout is closed, and memra writes the generated text there: redirect it "
+                             "instead (> FILE, or > /dev/null)")
         args = parse_args(argv)
         if args.list_drafters:
             return _list_drafters(out)
@@ -52,13 +57,15 @@ def main(argv=None) -> int:
     except (UsageError, MemraError) as exc:
         if debug:
             traceback.print_exc(file=err)
-        print(f"memra: {exc}", file=err)
+            for line in getattr(exc, "details", None) or ():  # e.g. every contract offender
+                print(f"  {line}", file=err)
+        print(f"memra: {one_line(exc)}", file=err)
         return EXIT_REFUSED
     except Exception as exc:  # a bug, not a refusal: say so, and how to see it
         if debug:
             traceback.print_exc(file=err)
-        print(f"memra: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback, "
-              "and please report it)", file=err)
+        print(f"memra: internal error: {type(exc).__name__}: {one_line(exc)} (run with --debug for the "
+              "traceback, and please report it)", file=err)
         return 1
 
 
@@ -99,7 +106,8 @@ def _prepare(args, err) -> Job:
     if draft is not None and len(prompt) < 2:
         raise UsageError("speculative decoding needs a prompt of at least 2 tokens: give a longer prompt, "
                          "or --draft none")
-    return Job(source, model, load_s, tokenizer, prompt, inputs.check_context(args, cfg, len(prompt), err),
+    room = inputs.check_context(args, cfg, len(prompt), err, *context_limit(cfg, model.be))
+    return Job(source, model, load_s, tokenizer, prompt, room,
                draft, draft_why, args.num_draft_tokens or DEFAULT_K, inputs.draft_options(args.draft_option),
                inputs.sampling_params(args, source), inputs.eos_ids(args, source, cfg), args.p_min or 0.0,
                args.p_min0)
@@ -152,10 +160,15 @@ def _list_drafters(out) -> int:
     return 0
 
 
-def _tolerant(stream) -> None:
-    """Never die on a character the terminal's encoding lacks: print a replacement instead."""
+def one_line(exc: BaseException) -> str:
+    """A message as one line, whatever raised it (a plugin's error may span several)."""
+    return " | ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+
+
+def _tolerant(stream, errors: str) -> None:
+    """Never die on a character the stream's encoding lacks: print a replacement instead."""
     try:
-        stream.reconfigure(errors="replace")
+        stream.reconfigure(errors=errors)
     except (AttributeError, ValueError):
         pass
 

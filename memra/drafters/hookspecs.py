@@ -23,4 +23,7 @@ def memra_register_draft_sources(register):
         across every loaded plugin. `source` is an object (not a class) with
         `load(model, options: dict | None) -> drafter`, called once per model; the drafter
         follows `memra.speculative.contract.Drafter` (`max_k`, `tap_layers`, `begin(start) -> state`).
+        A bad registration raises `InputError` at the call. If the hook raises, or registers
+        anything bad, the whole plugin is set aside (none of its sources is offered) while
+        built-ins and other plugins keep working; `--list-drafters` shows why.
     """

@@ -120,7 +120,7 @@ class NativeMtpState:
 
     def commit(self, outcome: RoundOutcome) -> None:
         """Drop the chain rows; queue (next token, h) pairs for every kept verify row."""
-        self.plane.truncate(self.committed_len, self.drafter.model.cfg.index_kpool)
+        self.drafter.model.mtp.reset_plane(self.plane, self.committed_len)
         nxt = outcome.kept[1:] + [outcome.bonus]
         self.pending_tokens = [int(t) for t in nxt]
         self.pending_h = [outcome.collapsed]

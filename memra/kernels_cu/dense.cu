@@ -1,4 +1,5 @@
-// Dense family: embedding gather, projections (linear, per-head linear) and elementwise activations.
+// Dense family: embedding gather, projections (linear, per-head linear), elementwise activations
+// and elementwise arithmetic (scale, add).
 //
 // Projections are exact class and read each weight once for all t rows of the call. bf16
 // weights (every real checkpoint) run on tensor cores through exact_mma.cuh: exact bf16 pieces of
@@ -234,6 +235,20 @@ extern "C" __global__ void sigmoid_kernel(const float* x, float* y, long long n)
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         y[i] = sigmoidf_exact(x[i]);
+}
+
+// x * s and a + b over n floats: one IEEE float32 operation an element (round to nearest, no
+// contraction to fuse), so the bits are numpy's and those of CuPy's own multiply / add.
+extern "C" __global__ void scale_kernel(const float* x, float* y, long long n, float s) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        y[i] = x[i] * s;
+}
+
+extern "C" __global__ void add_kernel(const float* a, const float* b, float* y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        y[i] = a[i] + b[i];
 }
 
 // silu(min(gate, limit)) * clip(up, -limit, limit); the comparisons let NaN through as numpy does.

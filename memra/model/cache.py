@@ -95,6 +95,9 @@ class VerifyCkpt:
 class Cache:
     config: object  # the ModelConfig of the model that made it
     max_ctx: int
+    # The model that made it: a twin with an identical config has other weights, so its planes
+    # would be read against the wrong ones. Every walk, rollback and rewind checks `owner is model`.
+    owner: object = field(default=None, repr=False)
     kda: dict[int, KdaState] = field(default_factory=dict)
     mla: dict[int, LatentPlane] = field(default_factory=dict)
     pos: int = 0

@@ -57,7 +57,7 @@ class KdaMixer:
             stash.update(ring=st.ring.copy(), state=st.state.copy(), raw=raw)
         mixed = be.short_conv(raw, st.ring, self.conv)
         heads = lambda cols: be.contiguous(mixed[:, cols]).reshape(t, hk, dk)
-        q = be.l2norm(heads(slice(0, c)), 1e-6) * np.float32(dk ** -0.5)
+        q = be.scale(be.l2norm(heads(slice(0, c)), 1e-6), dk ** -0.5)
         k = be.l2norm(heads(slice(c, 2 * c)), 1e-6)
         v = heads(slice(2 * c, 3 * c))
         f = be.linear(be.linear(x, self.f_a), self.f_b).reshape(t, hk, dk)

@@ -35,7 +35,7 @@ class KpoolIndexer:
         be.write_rows(plane.index_gates, be.linear(x, self.gate), at)
         be.kpool_finalize(plane.index_keys, plane.index_gates, self.ape, plane.pool_keys, at, t)
         q = be.linear(qr, self.wq_b).reshape(t, hi, di)
-        wts = be.linear(x, self.weights_proj) * np.float32(hi ** -0.5)
+        wts = be.scale(be.linear(x, self.weights_proj), hi ** -0.5)
         return be.kpool_select(
             q, wts, plane.pool_keys, at, pool, cfg.index_pool_budget, cfg.index_width,
             di ** -0.5,

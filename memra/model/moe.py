@@ -40,4 +40,4 @@ class Moe:
             cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
         routed = be.moe_experts(x, idx, wts, self.gate_w, self.up_w, self.down_w, cfg.swiglu_limit)
-        return routed + self.shared(x)
+        return be.add(routed, self.shared(x))

@@ -8,6 +8,7 @@ is z before shared_head.norm: it chains into the next draft step as its h.
 
 from __future__ import annotations
 
+from memra.errors import ResidencyError
 from memra.model.mla import MlaMixer
 from memra.model.moe import Moe
 
@@ -28,6 +29,14 @@ class MtpBlock:
 
     def new_plane(self, max_ctx: int):
         return self.attn.new_plane(max_ctx)
+
+    def reset_plane(self, plane, length: int) -> None:
+        """Drop the rows past `length` (a round's chain rows) and clamp the pool keys with them.
+        A reset only ever shortens: rows the plane never held cannot be reset to."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= plane.length:
+            raise ResidencyError(f"{self.name}: reset to {length!r} rows, and the plane holds {plane.length}; "
+                                 "a reset only ever shortens the plane (to the committed boundary)")
+        plane.truncate(length, self.cfg.index_kpool)
 
     def __call__(self, next_tokens, h, plane, pos0: int, head=None, walks=None):
         """Rows (tok_{i+1}, h_i) at positions pos0.. -> (logits [t, V], carrier [t, D]).
@@ -54,8 +63,8 @@ class MtpBlock:
     def _rows(self, next_tokens, h, plane, at, head):
         be, eps = self.be, self.cfg.rms_norm_eps
         z, a = self._attend(next_tokens, h, plane, at)
-        z = z + a
-        z = z + self.mlp(be.rmsnorm(z, self.post_norm, eps))
+        z = be.add(z, a)
+        z = be.add(z, self.mlp(be.rmsnorm(z, self.post_norm, eps)))
         logits = be.linear(be.rmsnorm(z, self.head_norm, eps), self.lm_head if head is None else head)
         return logits, z
 

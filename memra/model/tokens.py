@@ -2,10 +2,11 @@
 
     ids = check_token_ids(prompt_ids, model.cfg.vocab_size, "prompt token id")   # -> list[int]
 
-generate (prompt and EOS ids), SpecSession (prompt, and each proposal a draft source makes), the
-model's prime / decode_step / verify_rows and the CLI all call it, so a bad id is refused by the
-argument's name before anything runs. Ints and numpy integers pass; floats, bools, strings and
-None are refused even where int() would take them (2.7 is not a token).
+generate (prompt and EOS ids, through memra.arguments, which first refuses what is not a sequence),
+SpecSession (prompt, and each proposal a draft source makes), the model's prime / decode_step /
+verify_rows and the CLI all call it, so a bad id is refused by the argument's name before anything
+runs. Ints and numpy integers pass; floats, bools, strings and None are refused even where int()
+would take them (2.7 is not a token).
 """
 
 from __future__ import annotations

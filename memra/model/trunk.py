@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from memra.arguments import check_tap_layers
 from memra.config import KDA, ModelConfig
 from memra.errors import ContextOverflowError, InputError
 from memra.limits import VERIFY_CAP
+from memra.memory import check_cache_fits
 
 from memra.model import hyper
 from memra.model.cache import Cache, VerifyCkpt
@@ -67,7 +69,8 @@ class Glm5Model:
             raise InputError(
                 f"max_ctx {max_ctx} exceeds the model's max_position_embeddings ({limit}); ask for less"
             )
-        cache = Cache(config=self.cfg, max_ctx=int(max_ctx), walks=self.be.walks())
+        check_cache_fits(self.cfg, self.be, int(max_ctx))  # before a byte is allocated
+        cache = Cache(config=self.cfg, max_ctx=int(max_ctx), owner=self, walks=self.be.walks())
         for layer in self.layers:
             if layer.kind == KDA:
                 cache.kda[layer.index] = layer.mixer.new_state()
@@ -83,15 +86,15 @@ class Glm5Model:
     def prime_rows(self, token_ids, cache: Cache, tap_layers=()):
         """prime, also returning the collapsed pre-final-norm rows [t, D] (the MTP h_seeds)
         and the contracted outputs of `tap_layers` ({layer: [t, D]})."""
-        tokens = self._check_tokens(token_ids, cache)
-        taps = {layer: None for layer in self._check_taps(tap_layers)}
+        tokens = self._check_tokens(token_ids, cache, "prime")
+        taps = {layer: None for layer in check_tap_layers(tap_layers, self.cfg.num_hidden_layers)}
         logits, collapsed = self.forward_rows(tokens, cache, taps=taps, replay=False)
         cache.pos += len(tokens)
         return self.be.to_host(logits[-1]), self.be.copy(collapsed), taps
 
     def decode_step(self, token_id, cache: Cache) -> np.ndarray:
         """Consume one token; returns float32 logits [vocab] for the next position."""
-        tokens = self._check_tokens([token_id], cache)
+        tokens = self._check_tokens([token_id], cache, "decode_step")
         logits, _ = self.forward_rows(tokens, cache)
         cache.pos += 1
         return self.be.to_host(logits[0])
@@ -103,7 +106,8 @@ class Glm5Model:
         Row r is bit-identical to the plain decode step that consumes token r there. Every
         plane advances t rows; cache.pos does not move: `rollback(cache, ckpt, keep)` commits.
         """
-        tokens = self._check_tokens(token_ids, cache)
+        tokens = self._check_tokens(token_ids, cache, "verify_rows")
+        taps = {layer: None for layer in check_tap_layers(tap_layers, self.cfg.num_hidden_layers)}
         if tokens.size > VERIFY_CAP:
             raise InputError(
                 f"verify_rows: t={tokens.size} rows > cap {VERIFY_CAP}: at most {VERIFY_CAP - 1} "
@@ -113,7 +117,7 @@ class Glm5Model:
             cache=cache, pos=cache.pos, rows=int(tokens.size),
             latent_len={i: plane.length for i, plane in cache.mla.items()},
             kda={i: {} for i in cache.kda},
-            taps={layer: None for layer in self._check_taps(tap_layers)},
+            taps=taps,
         )
         logits, collapsed = self.forward_rows(tokens, cache, stash=ckpt.kda, taps=ckpt.taps)
         return self.be.to_host(logits), self.be.copy(collapsed), ckpt
@@ -122,6 +126,7 @@ class Glm5Model:
         """Commit the first `keep` rows of a verify walk (1 <= keep <= t) and undo the rest:
         latent planes truncate (pool keys clamped), KDA rings and states replay the kept
         rows from their snapshots, cache.pos = snapshot + keep."""
+        self._check_cache(cache, "rollback")
         if not isinstance(ckpt, VerifyCkpt) or ckpt.cache is not cache:
             raise InputError("rollback: this checkpoint was not taken on this cache by verify_rows")
         if ckpt.spent or cache.pos != ckpt.pos:
@@ -152,6 +157,7 @@ class Glm5Model:
         walk and must leave the sequence as it was (the benchmarks); a round always keeps its
         anchor row and uses `rollback`. The KDA snapshots may be buffers the next walk of that
         shape overwrites, so a later walk on the cache makes the checkpoint unusable here."""
+        self._check_cache(cache, "rewind")
         if not isinstance(ckpt, VerifyCkpt) or ckpt.cache is not cache:
             raise InputError("rewind: this checkpoint was not taken on this cache by verify_rows")
         # untouched since: right after the walk every plane holds its t rows and pos has not
@@ -188,6 +194,7 @@ class Glm5Model:
         length varies). logits, collapsed and the stash may be the graph's buffers, which
         the shape's next walk overwrites; taps are copies the caller keeps.
         """
+        self._check_cache(cache, "forward_rows")
         be, t = self.be, int(tokens.size)
         cache.check_planes()
         pos0, stashing, tap_layers = cache.pos, stash is not None, tuple(taps or ())
@@ -230,19 +237,17 @@ class Glm5Model:
         out, selections[layer.index] = layer.mixer(x, cache.mla[layer.index], at, shared)
         return out
 
-    def _check_taps(self, tap_layers) -> list[int]:
-        layers = [int(i) for i in tap_layers]
-        for i in layers:
-            if not 0 <= i < self.cfg.num_hidden_layers:
-                raise InputError(
-                    f"tap layer {i} is outside the trunk 0..{self.cfg.num_hidden_layers - 1}; "
-                    "the drafter was made for another model"
-                )
-        return layers
+    def _check_cache(self, cache, what: str) -> None:
+        """A cache is bound to the model that made it: a twin with an identical config has
+        other weights, and planes written under those would be read under these."""
+        if not isinstance(cache, Cache):
+            raise InputError(f"{what}: expected a cache from model.new_cache(max_ctx), got {type(cache).__name__}")
+        if cache.owner is not self:
+            raise InputError(f"{what}: this cache was made by another model (an identical config does not make "
+                             "it this model's); create one with this model's new_cache(max_ctx)")
 
-    def _check_tokens(self, token_ids, cache: Cache) -> np.ndarray:
-        if not isinstance(cache, Cache) or cache.config != self.cfg:
-            raise InputError("the cache was not made by this model: create it with model.new_cache(max_ctx)")
+    def _check_tokens(self, token_ids, cache: Cache, what: str) -> np.ndarray:
+        self._check_cache(cache, what)
         ids = check_token_ids(token_ids, self.cfg.vocab_size)
         if cache.pos + len(ids) > cache.max_ctx:
             raise ContextOverflowError(

@@ -14,6 +14,7 @@ if that is empty); a full accept draws the bonus from the last row. A point-mass
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,20 +40,28 @@ class SamplingParams:
         def bad(name, why):
             raise InputError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
-        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+        # numpy scalars are numbers too; bools (numpy's included) are not. Stored as plain
+        # float / int, so the Philox seed arithmetic and equality never see a numpy type.
+        boolean = lambda v: isinstance(v, (bool, np.bool_))  # noqa: E731
+        num = lambda v: isinstance(v, numbers.Real) and not boolean(v) and math.isfinite(v)  # noqa: E731
+        integer = lambda v: isinstance(v, numbers.Integral) and not boolean(v)  # noqa: E731
         if not num(self.temperature) or not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
             bad("temperature", f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not integer(self.top_k) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0 (0 = off)")
         if not num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not num(self.min_p) or not 0 <= self.min_p < 1:
             bad("min_p", "must be in [0, 1)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+        if not integer(self.seed) or not 0 <= self.seed < 2**64:
             bad("seed", "must be an integer in [0, 2^64)")
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
             if not num(getattr(self, name)):
                 bad(name, "must be a finite number")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def greedy(self) -> bool:

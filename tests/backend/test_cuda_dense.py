@@ -1,10 +1,12 @@
 """The dense family on the GPU (DenseOps, backend/cuda/dense.py -> kernels_cu/dense.cu): embedding,
-projections (float32 CUDA cores, bf16 tensor cores, split-K), activations and plane row writes.
+projections (float32 CUDA cores, bf16 tensor cores, split-K), activations, elementwise arithmetic
+(scale, add) and plane row writes.
 
 The table below runs through the shared gates of tests/backend/harness.py (numpy twin within
 each op's bound, t = 1..15 row invariance, red arms); the rest pins what a table can't: the
 identity-weight gate of the exact bf16 pieces (and its red arm, a dropped lo piece), split-K's
-choice by shape, the prime-class row tiles, the embed refusals, write_rows at a device position.
+choice by shape, the prime-class row tiles, the embed refusals, write_rows at a device position,
+and scale / add bit for bit against numpy and against the CuPy arithmetic they replace.
 Run on the GPU host: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/backend/test_cuda_dense.py
 """
 
@@ -38,6 +40,9 @@ TOL = {
     "silu": (1e-5, 1e-6),
     "sigmoid": (1e-5, 1e-6),
     "swiglu": (1e-5, 1e-5),
+    # one IEEE float32 multiply / add an element, as numpy does it: bit-equal (no subnormal inputs)
+    "scale": (0.0, 0.0),
+    "add": (0.0, 0.0),
 }
 
 
@@ -85,6 +90,10 @@ CASES = [
     case("silu", make_rows(x=(129, 3.0)), lambda be, r, s: be.silu(r["x"])),
     case("sigmoid", make_rows(x=(2, 129, 3.0)), lambda be, r, s: be.sigmoid(r["x"])),
     case("swiglu", _make_swiglu, lambda be, r, s: be.swiglu(r["gate"], r["up"], 10.0)),
+    # the KDA q scale (dk^-0.5 on [t, Hk, dk]) and the indexer weight scale (Hi^-0.5 on [t, Hi])
+    case("scale_kda_q", make_rows(x=(2, 128, 1.0)), lambda be, r, s: be.scale(r["x"], 128 ** -0.5)),
+    case("scale_indexer_weights", make_rows(x=(33, 4.0)), lambda be, r, s: be.scale(r["x"], 33 ** -0.5)),
+    case("add", make_rows(a=(129, 1.0), b=(129, 3.0)), lambda be, r, s: be.add(r["a"], r["b"])),
 ]
 
 
@@ -209,3 +218,34 @@ def test_write_rows_at_a_host_or_device_position_writes_exactly_those_rows(at, t
         dst = cp.full((64, 11), 7.0, cp.float32)
         DenseOps().write_rows(dst, cp.asarray(src), pos)
         assert cp.asnumpy(dst).tobytes() == want.tobytes()
+
+
+# ---- elementwise arithmetic: the bits of numpy and of the CuPy expressions the model used -------
+
+def _wide(rng, shape):
+    """Normal draws over 2^-60 .. 2^60 (products and sums stay far from subnormals) with zeros of
+    both signs and infinities planted."""
+    x = normal(rng, shape) * np.exp2(rng.integers(-60, 61, shape)).astype(F32)
+    x.reshape(-1)[:4] = [0.0, -0.0, np.inf, -np.inf]
+    return x.astype(F32)
+
+
+@pytest.mark.parametrize("factor", [128 ** -0.5, 32 ** -0.5, 3 ** -0.5, 0.5, 1.0, 7.25])
+def test_scale_is_numpys_multiply_and_cupys_bit_for_bit(factor):
+    x = _wide(np.random.default_rng(8), (15, 257))
+    got = cp.asnumpy(DenseOps().scale(cp.asarray(x), factor))
+    assert got.tobytes() == (x * np.float32(factor)).tobytes()
+    assert got.tobytes() == cp.asnumpy(cp.asarray(x) * np.float32(factor)).tobytes()
+
+
+def test_add_is_numpys_add_and_cupys_bit_for_bit():
+    rng = np.random.default_rng(9)
+    a, b = _wide(rng, (15, 257)), normal(rng, (15, 257), 3.0)
+    got = cp.asnumpy(DenseOps().add(cp.asarray(a), cp.asarray(b)))
+    assert got.tobytes() == (a + b).tobytes()
+    assert got.tobytes() == cp.asnumpy(cp.asarray(a) + cp.asarray(b)).tobytes()
+
+
+def test_add_refuses_to_broadcast():
+    with pytest.raises(AssertionError, match="b: expected"):
+        DenseOps().add(cp.zeros((3, 8), cp.float32), cp.zeros((1, 8), cp.float32))

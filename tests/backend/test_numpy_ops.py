@@ -167,6 +167,8 @@ ROW_CASES = [
     _case("silu", _make_rows_only(x=(129, 3.0)), lambda be, r, s, _: be.silu(r["x"])),
     _case("sigmoid", _make_rows_only(x=(129, 3.0)), lambda be, r, s, _: be.sigmoid(r["x"])),
     _case("swiglu", _make_swiglu, lambda be, r, s, _: be.swiglu(r["gate"], r["up"], 10.0)),
+    _case("scale", _make_rows_only(x=(2, 129, 2.0)), lambda be, r, s, _: be.scale(r["x"], 128 ** -0.5)),
+    _case("add", _make_rows_only(a=(129, 1.0), b=(129, 1.0)), lambda be, r, s, _: be.add(r["a"], r["b"])),
     _case("softmax", _make_rows_only(x=(256, 3.0)), lambda be, r, s, _: be.softmax(r["x"])),
     _case("log_softmax", _make_rows_only(x=(256, 3.0)), lambda be, r, s, _: be.log_softmax(r["x"])),
     _case("argmax", _make_argmax, lambda be, r, s, _: be.argmax(r["x"])),

@@ -2,6 +2,7 @@
 and a source the core never saw (registered on the plugin manager, not installed) keeping the tape."""
 
 import importlib.metadata
+import re
 
 import pytest
 
@@ -17,6 +18,7 @@ from memra.speculative.contract import Proposal
 
 NGRAM_INSTALLED = any(ep.name == "ngram" for ep in importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP))
 needs_ngram = pytest.mark.skipif(not NGRAM_INSTALLED, reason="pip install -e plugins/memra-ngram first")
+NGRAM = {"ngram"} if NGRAM_INSTALLED else set()
 
 
 @pytest.fixture
@@ -86,21 +88,27 @@ class Registers:
             register(name, source)
 
 
-def test_duplicate_source_name_is_refused_naming_both_origins(plugged):
-    plugged(Registers(("native-mtp", NativeMtpSource())), "dup-plugin")
-    with pytest.raises(InputError, match=r"'native-mtp' is registered twice: by built-in and by plugin dup-plugin"):
-        registry.list_draft_sources()
+def test_a_duplicate_name_sets_the_later_plugin_aside_and_the_builtin_keeps_it(plugged, mini):
+    plugged(Registers(("native-mtp", NativeMtpSource()), ("extra", ConstantSource())), "dup-plugin")
+    origin, reason = registry.plugin_failures()["dup-plugin"]
+    assert origin == "plugin dup-plugin"
+    assert reason == "draft source 'native-mtp' is registered twice: by built-in and by plugin dup-plugin"
+    assert registry.draft_source_origins()["native-mtp"] == "built-in"
+    assert "extra" not in registry.list_draft_sources()   # the plugin is set aside whole
+    assert registry.load_drafter("native-mtp", mini).max_k == NativeMtpSource().load(mini, None).max_k
 
 
 @pytest.mark.parametrize("name, source, message", [
     ("", NativeMtpSource(), "names are non-empty strings"),
+    (7, NativeMtpSource(), "names are non-empty strings"),
     ("cls", NativeMtpSource, "an instance, not a class"),
     ("no-load", object(), "load\\(model, options\\)"),
 ])
-def test_malformed_registrations_are_refused(plugged, name, source, message):
+def test_malformed_registrations_set_the_plugin_aside(plugged, name, source, message):
     plugged(Registers((name, source)), "bad-plugin")
-    with pytest.raises(InputError, match=message):
-        registry.list_draft_sources()
+    origin, reason = registry.plugin_failures()["bad-plugin"]
+    assert origin == "plugin bad-plugin" and re.search(message, reason)
+    assert set(registry.list_draft_sources()) == {n for n, _ in builtin.BUILTIN_SOURCES} | NGRAM
 
 
 def test_a_drafter_without_the_interface_is_refused(plugged, mini):
@@ -179,7 +187,11 @@ def test_list_drafters_prints_each_source_and_its_origin_without_a_model(fresh, 
     assert table == registry.draft_source_origins() and table["native-mtp"] == "built-in"
 
 
-def test_list_drafters_reports_a_duplicate_as_a_refusal(plugged, capsys):
+def test_list_drafters_shows_a_set_aside_plugin_with_its_reason(plugged, capsys):
     plugged(Registers(("native-mtp", NativeMtpSource())), "dup-plugin")
-    assert main(["--list-drafters"]) == 2
-    assert "registered twice" in capsys.readouterr().err
+    assert main(["--list-drafters"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = dict(line.split(None, 1) for line in lines)
+    assert table["native-mtp"] == "built-in"
+    assert table["dup-plugin"].startswith("plugin dup-plugin: FAILED, draft source 'native-mtp' is registered twice")
+    assert registry.ALLOW_LIST_ENV in table["dup-plugin"]

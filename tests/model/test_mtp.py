@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from memra import load_model
+from memra.errors import ResidencyError
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +43,20 @@ def test_mtp_depends_on_both_the_token_and_the_hidden_row(model):
 def test_mini_has_its_mtp_block(fixture_dir):
     m = load_model(fixture_dir("mini"), backend="numpy")
     assert m.mtp is not None and m.cfg.num_nextn_predict_layers == 1
+
+
+def test_plane_reset_shortens_clamps_pool_keys_and_refuses_to_grow(model):
+    n, pool = 14, model.cfg.index_kpool
+    tokens, h = _trunk_rows(model, n)
+    plane = model.mtp.new_plane(n + 4)
+    model.mtp(tokens[1:n + 1], h, plane, 0)
+    assert (plane.length, plane.pools_ready) == (n, n // pool)
+    model.mtp.reset_plane(plane, 5)
+    assert (plane.length, plane.pools_ready) == (5, 5 // pool)   # stale pool keys go with the rows
+    for bad in (6, n, -1, 2.0, True):
+        with pytest.raises(ResidencyError, match="only ever shortens"):
+            model.mtp.reset_plane(plane, bad)
+        assert (plane.length, plane.pools_ready) == (5, 5 // pool), "a refused reset moves nothing"
+    # red arm: the bare truncate under the reset "grows" a plane over rows it never wrote
+    plane.truncate(n, pool)
+    assert plane.length == n

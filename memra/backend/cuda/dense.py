@@ -1,5 +1,5 @@
 """The dense family of the CUDA backend (kernels_cu/dense.cu): embedding, projections,
-elementwise activations and the state planes' row writes.
+elementwise activations and arithmetic (scale, add), and the state planes' row writes.
 
 `DenseOps` is one of the mixins `CudaBackend` composes (backend/cuda/backend.py); it needs nothing
 from the others, so tests use it alone (`ops = DenseOps()`). Every method has the signature and
@@ -29,6 +29,7 @@ from memra.limits import VERIFY_CAP
 
 ROW_TEMPLATES = sorted(OUTS_PER_WARP)  # the float32 projection kernels linear_f32_t<T>
 SPLIT_BELOW_BLOCKS = 256  # split-K is taken when the outputs alone make fewer blocks than this
+
 
 def projection(kind: str, t: int, n_out: int) -> tuple[str, int]:
     """(kernel name suffix, blocks along the outputs) for a t-row projection. float32 weights:
@@ -139,6 +140,22 @@ class DenseOps:
         assert gate.shape == up.shape, f"up: expected {gate.shape}, got {up.shape}"
         out = cp.empty_like(gate)
         _elementwise("swiglu_kernel", (gate, up), out, (f32(limit),))
+        return out
+
+    def scale(self, x, factor: float):
+        """x * float32(factor), elementwise, any shape (the KDA q and indexer weight scales)."""
+        check(x, cp.float32, "x")
+        out = cp.empty_like(x)
+        _elementwise("scale_kernel", (x,), out, (f32(factor),))
+        return out
+
+    def add(self, a, b):
+        """a + b, elementwise, same shapes (no broadcasting; the MoE routed + shared sum)."""
+        check(a, cp.float32, "a")
+        check(b, cp.float32, "b")
+        assert a.shape == b.shape, f"b: expected {a.shape}, got {b.shape}"
+        out = cp.empty_like(a)
+        _elementwise("add_kernel", (a, b), out)
         return out
 
     def write_rows(self, dst, src, at):

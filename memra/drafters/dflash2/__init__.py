@@ -1,4 +1,5 @@
-"""DFlash2: a block-diffusion drafter that drafts a whole block in one forward (see model.py)."""
+"""DFlash2 block-diffusion drafters, which draft a whole block in one forward (see model.py);
+DFlash v1 / DSpark checkpoints load through the same code by tensor census (see weights.py)."""
 
 from memra.drafters.dflash2.config import load_dflash_config
 from memra.drafters.dflash2.fixture import write_fixture_drafter

@@ -1,12 +1,16 @@
-"""A random but well-formed DFlash2 checkpoint for a target config, for tests and examples.
+"""A random but well-formed DFlash-family checkpoint for a target config, for tests and examples.
 
 The drafter matches the target (hidden, vocab, valid tap layers) and is deliberately non-trivial:
 the convs are not the identity (random base kernels and kernel projections), the optional heads
 can be added, and every weight is scaled so activations stay O(1) through the stack.
+`family="dflash"` writes the seed's format instead: the DFlash v1 / DSpark backbone (no convs, no
+candidate selector, no conv or selector keys in the config) with the heads under the seed's
+tensor names (`markov_head.markov_w1.weight`, `confidence_head.proj.weight`, ...).
 
     dir = write_fixture_drafter(tmp, preset("small"), seed=0)
     dir = write_fixture_drafter(tmp, preset("mini"), rope="yarn", sliding_window=4, strategy="dspark",
                                 with_markov=True, with_confidence=True, dtype="float32")
+    dir = write_fixture_drafter(tmp, preset("mini"), family="dflash", strategy="dspark", with_markov=True)
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import zlib
 import numpy as np
 
 from memra.drafters.dflash2.config import FULL, SLIDING, parse_dflash_config
-from memra.drafters.dflash2.weights import expected_tensors
+from memra.drafters.dflash2.weights import DFLASH, DFLASH2, expected_tensors
 from memra.errors import InputError
 from memra.safetensors_io import write_safetensors
 
@@ -30,8 +34,12 @@ _DEFAULTS = {
     "sliding_window": None, "layer_types": None, "is_causal": False, "rope": "default",
     "with_markov": False, "with_confidence": False, "markov_rank": None, "strategy": "dflash",
     "output_multiplier": None, "final_logit_softcapping": None, "input_embedding_scale": None,
-    "rms_norm_eps": 1e-6, "dtype": "bfloat16",
+    "rms_norm_eps": 1e-6, "dtype": "bfloat16", "family": DFLASH2,
 }
+# the seed's spellings of the heads, written by family="dflash" (the loader maps both)
+_SEED_NAMES = {"markov_head.w1": "markov_head.markov_w1.weight", "markov_head.w2": "markov_head.markov_w2.weight",
+               "confidence_head.weight": "confidence_head.proj.weight",
+               "confidence_head.bias": "confidence_head.proj.bias"}
 _YARN_FACTOR = 4.0
 
 
@@ -61,22 +69,26 @@ def drafter_config(target: dict, **shape) -> dict:
     max_positions = target.get("max_position_embeddings", 4096)
     if s["strategy"] not in ("dflash", "dspark"):
         raise InputError(f"fixture strategy {s['strategy']!r}: choose 'dflash' or 'dspark'")
+    if s["family"] not in (DFLASH2, DFLASH):
+        raise InputError(f"fixture family {s['family']!r}: choose {DFLASH2!r} or {DFLASH!r}")
     types = s["layer_types"] or [SLIDING if s["sliding_window"] else FULL] * n
     dflash = {
         "block_size": s["block_size"],
         "mask_token_id": vocab - 1 if s["mask_token_id"] is None else s["mask_token_id"],
         "target_layer_ids": list(s["target_layer_ids"] or _default_taps(target["num_hidden_layers"])),
-        "conv_kernel_size": s["conv_kernel_size"], "conv_group_size": s["conv_group_size"],
-        "selector_rank": s["selector_rank"], "selector_top_k": s["selector_top_k"],
     }
+    if s["family"] == DFLASH2:
+        dflash.update(conv_kernel_size=s["conv_kernel_size"], conv_group_size=s["conv_group_size"],
+                      selector_rank=s["selector_rank"], selector_top_k=s["selector_top_k"])
     for key in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale"):
         if s[key] is not None:
             dflash[key] = s[key]
     if s["strategy"] == "dspark":
         dflash["projector_type"] = "dspark"
+    plain = "DFlash2DraftModel" if s["family"] == DFLASH2 else "DFlashDraftModel"
     raw = {
         "model_type": "qwen3",
-        "architectures": ["Qwen3DSparkModel" if s["strategy"] == "dspark" else "DFlash2DraftModel"],
+        "architectures": ["Qwen3DSparkModel" if s["strategy"] == "dspark" else plain],
         "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": n,
         "intermediate_size": s["intermediate_size"] or 2 * hidden,
         "num_attention_heads": s["num_attention_heads"], "num_key_value_heads": s["num_key_value_heads"],
@@ -118,15 +130,16 @@ def write_fixture_drafter(dir, target_config_dict: dict, seed: int = 0, **shape)
     raw = drafter_config(target_config_dict, **shape)
     cfg = parse_dflash_config(raw)
     s = {**_DEFAULTS, **shape}
-    tensors = {name: _tensor(name, sh, seed) for name, sh in expected_tensors(cfg).items()}
-    rank = s["markov_rank"] or cfg.selector_rank
+    tensors = {name: _tensor(name, sh, seed) for name, sh in expected_tensors(cfg, s["family"]).items()}
+    rank = s["markov_rank"] or s["selector_rank"]
+    heads = {}
     if s["with_markov"]:
-        tensors["markov_head.w1"] = _tensor("markov_head.w1", (cfg.vocab_size, rank), seed)
-        tensors["markov_head.w2"] = _tensor("markov_head.w2", (cfg.vocab_size, rank), seed)
+        heads["markov_head.w1"] = heads["markov_head.w2"] = (cfg.vocab_size, rank)
     if s["with_confidence"]:
-        width = cfg.hidden_size + (rank if s["with_markov"] else 0)
-        tensors["confidence_head.weight"] = _tensor("confidence_head.weight", (1, width), seed)
-        tensors["confidence_head.bias"] = _tensor("confidence_head.bias", (1,), seed)
+        heads["confidence_head.weight"] = (1, cfg.hidden_size + (rank if s["with_markov"] else 0))
+        heads["confidence_head.bias"] = (1,)
+    for name, sh in heads.items():
+        tensors[_SEED_NAMES[name] if s["family"] == DFLASH else name] = _tensor(name, sh, seed)
     dir = os.fspath(dir)
     os.makedirs(dir, exist_ok=True)
     with open(os.path.join(dir, "config.json"), "w", encoding="utf-8") as f:

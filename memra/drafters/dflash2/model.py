@@ -1,11 +1,13 @@
-"""The DFlash2 drafter network: context features, the draft KV cache and the block forward.
+"""The DFlash-family drafter network: context features, the draft KV cache and the block forward.
 
 A small Qwen3-style stack drafts a whole block [anchor, MASK x (b-1)] in one forward, attending
 (bidirectionally unless the config says causal) over the cached target context and the block.
-It borrows the target's embedding table and lm head. Each sublayer is wrapped in the grouped
-dynamic causal conv (research/dflash2.md §2): per-row coefficients come from the sublayer input,
-the pre-conv mixes that input with its previous row, the post-conv does the same to the sublayer
-output. The conv is block-local (row 0 reads zeros), so there is no conv state between rounds.
+It borrows the target's embedding table and lm head. In a DFlash2 checkpoint each sublayer is
+wrapped in the grouped dynamic causal conv (research/dflash2.md §2): per-row coefficients come
+from the sublayer input, the pre-conv mixes that input with its previous row, the post-conv does
+the same to the sublayer output. The conv is block-local (row 0 reads zeros), so there is no conv
+state between rounds. A DFlash v1 / DSpark checkpoint (`family == "dflash"`, the seed's format)
+has no convs: its sublayers are the plain pre-norm residual ones.
 
 The drafter is not in the exact class (the target verifies every token), so it computes in
 float32 with the array module's own GEMMs: numpy, or cupy on the CUDA backend.
@@ -26,7 +28,12 @@ import numpy as np
 from memra.drafters.dflash2.config import DflashConfig, load_dflash_config
 from memra.drafters.dflash2.quant import PRECISIONS
 from memra.drafters.dflash2.rope import apply_rope, cos_sin, inv_freq
-from memra.drafters.dflash2.weights import load_mask_embedding, load_weights
+from memra.drafters.dflash2.weights import (
+    DFLASH2,
+    family_of,
+    load_mask_embedding,
+    load_weights,
+)
 from memra.errors import ConfigError, ContextOverflowError, InputError
 
 F32 = np.float32
@@ -56,7 +63,7 @@ class DflashKv:
 
 
 class _Layer:
-    def __init__(self, dev, i: int):
+    def __init__(self, dev, i: int, convs: bool):
         p = f"layers.{i}."
         self.ln_in, self.ln_post = dev(p + "input_layernorm.weight"), dev(p + "post_attention_layernorm.weight")
         self.wq, self.wk = dev(p + "self_attn.q_proj.weight"), dev(p + "self_attn.k_proj.weight")
@@ -64,9 +71,11 @@ class _Layer:
         self.q_norm, self.k_norm = dev(p + "self_attn.q_norm.weight"), dev(p + "self_attn.k_norm.weight")
         self.w_gate, self.w_up = dev(p + "mlp.gate_proj.weight"), dev(p + "mlp.up_proj.weight")
         self.w_down = dev(p + "mlp.down_proj.weight")
-        self.attn_base, self.attn_proj = dev(p + "attention_conv.base_kernel"), \
-            dev(p + "attention_conv.kernel_projection.weight")
-        self.mlp_base, self.mlp_proj = dev(p + "mlp_conv.base_kernel"), dev(p + "mlp_conv.kernel_projection.weight")
+        self.attn_base = self.attn_proj = self.mlp_base = self.mlp_proj = None
+        if convs:
+            self.attn_base, self.attn_proj = dev(p + "attention_conv.base_kernel"), \
+                dev(p + "attention_conv.kernel_projection.weight")
+            self.mlp_base, self.mlp_proj = dev(p + "mlp_conv.base_kernel"), dev(p + "mlp_conv.kernel_projection.weight")
 
 
 def _check_target(cfg: DflashConfig, target_cfg) -> None:
@@ -88,11 +97,15 @@ class DflashDraft:
         self.be = target_model.be
         xp = self.xp = self.be.xp
         dev = lambda name: xp.asarray(tensors[name], dtype=F32)  # noqa: E731
-        self.layers = [_Layer(dev, i) for i in range(cfg.num_hidden_layers)]
+        self.family = family_of(tensors)
+        dflash2 = self.family == DFLASH2
+        self.layers = [_Layer(dev, i, dflash2) for i in range(cfg.num_hidden_layers)]
         self.fc, self.hidden_norm, self.norm = dev("fc.weight"), dev("hidden_norm.weight"), dev("norm.weight")
-        self.sel_hidden_proj = dev("candidate_selector.hidden_projection.weight")
-        self.sel_pred = dev("candidate_selector.predecessor_codebook")
-        self.sel_succ = dev("candidate_selector.successor_codebook")
+        self.sel_hidden_proj = self.sel_pred = self.sel_succ = None   # the plain backbone has no selector
+        if dflash2:
+            self.sel_hidden_proj = dev("candidate_selector.hidden_projection.weight")
+            self.sel_pred = dev("candidate_selector.predecessor_codebook")
+            self.sel_succ = dev("candidate_selector.successor_codebook")
         has_markov = "markov_head.w1" in tensors
         self.markov_w1 = dev("markov_head.w1") if has_markov else None
         self.markov_w2 = dev("markov_head.w2") if has_markov else None
@@ -198,7 +211,10 @@ class DflashDraft:
         return self._rmsnorm(h, self.norm)
 
     def _convolved(self, base, proj, x, sublayer, *args):
-        """conv_post(sublayer(conv_pre(x), *args)), both sides' coefficients from the sublayer input x."""
+        """conv_post(sublayer(conv_pre(x), *args)), both sides' coefficients from the sublayer input x;
+        the plain sublayer(x, *args) without convs."""
+        if base is None:
+            return sublayer(x, *args)
         c = self.cfg
         coef = (x @ proj.T).reshape(x.shape[0], 2, c.conv_kernel_size, c.hidden_size // c.conv_group_size)
         y = sublayer(conv_rows(self.xp, x, base[0], coef[:, 0], c.conv_group_size), *args)

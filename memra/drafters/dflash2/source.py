@@ -1,4 +1,4 @@
-"""The `dflash2` draft source: a DFlash2 block-diffusion drafter drafting for a glm5 target.
+"""The `dflash2` draft source: a DFlash-family block-diffusion drafter drafting for a glm5 target.
 
 Each round the drafter runs ONE non-causal block forward over [anchor, MASK x (b-1)] against its
 own KV of context features (fc + norm over the target's tapped layer outputs, appended in
@@ -6,6 +6,11 @@ committed order), harvests the rows its checkpoint was trained to draft, project
 the target's lm head, and walks the candidate selector (plus the markov head when the checkpoint
 has one). A verify-window policy then decides how many drafts go to verify. Greedy proposals are
 point masses; sampled proposals carry the selector's sparse q for the rejection walk.
+
+The same source loads DFlash v1 and DSpark checkpoints in the seed's format (no dynamic convs,
+no candidate selector; the tensor census tells them apart, memra.drafters.dflash2.weights):
+each harvested row drafts on its own (memra.drafters.dflash2.dense), and sampled proposals carry
+the dense filtered rows as q.
 
     result = generate(model, prompt, 64, draft="dflash2", num_draft_tokens=7,
                       draft_options={"path": "path/to/drafter"})
@@ -18,6 +23,9 @@ Options (`draft_options`):
                  checkpoint has a confidence head, else the ladder (memra.drafters.dflash2.window)
   tau            confidence threshold in (0, 1), default 0.5
   adapt          False pins the ladder window at its cap
+  verify_t       the verify window's cap: anchor + drafts, 2..=max_k + 1 (default max_k + 1)
+  markov         False drafts without the markov head's bias (the confidence head still reads
+                 its embeddings); default: on when the checkpoint has one
   mask_embedding an [H] vector (or an .npy / .safetensors file) replacing the mask token's embedding
   tap_shift      gate instrument, never serving: read every tap layer n layers later (wrong
                  features must collapse acceptance while the output stays identical)
@@ -32,19 +40,23 @@ import os
 
 import numpy as np
 
+from memra.drafters.dflash2.dense import dense_walk
 from memra.drafters.dflash2.harvest import Harvest, resolve_harvest
 from memra.drafters.dflash2.heads import ConfidenceHead, MarkovHead
 from memra.drafters.dflash2.selector import Selector
+from memra.drafters.dflash2.weights import DFLASH
 from memra.drafters.dflash2.window import (
     VerifyWindow,
     WindowPolicy,
+    resolve_vt_cap,
     resolve_window,
     sigmoid,
 )
 from memra.errors import ConfigError, InputError
 from memra.speculative.contract import Proposal, RoundOutcome, SessionStart
 
-OPTIONS = ("path", "precision", "harvest", "window", "tau", "adapt", "mask_embedding", "tap_shift")
+OPTIONS = ("path", "precision", "harvest", "window", "tau", "adapt", "verify_t", "markov", "mask_embedding",
+           "tap_shift")
 INGEST_CHUNK = 256   # context rows per fc + K/V projection call: bounds the transient memory
 
 
@@ -76,7 +88,20 @@ class DFlash2Source:
                              "p_min to truncate on the selector's own confidence)")
         taps = shifted_taps(draft.cfg.target_layer_ids, options.get("tap_shift", 0),
                             model.cfg.num_hidden_layers)
-        return DFlash2Drafter(model, draft, harvest, policy, taps)
+        vt_cap = resolve_vt_cap(options.get("verify_t"), harvest.n_drafts(draft.cfg.block_size))
+        markov_bias = resolve_markov(options.get("markov"), draft.markov_w1 is not None)
+        return DFlash2Drafter(model, draft, harvest, policy, taps, vt_cap, markov_bias)
+
+
+def resolve_markov(markov, has_head: bool) -> bool:
+    """The `markov` option: whether drafting adds the markov head's bias (default: iff present)."""
+    if markov is not None and not isinstance(markov, bool):
+        raise InputError(f"dflash2: markov={markov!r} must be true or false (false drafts without the "
+                         "markov head's semi-autoregressive bias)")
+    if markov and not has_head:
+        raise InputError("dflash2: markov=true asks for the markov head, and this checkpoint has none: "
+                         "drop the option")
+    return has_head if markov is None else markov
 
 
 def shifted_taps(layers, shift, n_trunk: int) -> tuple[int, ...]:
@@ -95,15 +120,19 @@ def shifted_taps(layers, shift, n_trunk: int) -> tuple[int, ...]:
 class DFlash2Drafter:
     """A loaded DFlash2 drafter: weights once per model; `begin` opens a session state."""
 
-    def __init__(self, model, draft, harvest: Harvest, policy: WindowPolicy, tap_layers: tuple[int, ...]):
+    def __init__(self, model, draft, harvest: Harvest, policy: WindowPolicy, tap_layers: tuple[int, ...],
+                 vt_cap: int | None = None, markov_bias: bool = True):
         cfg = draft.cfg
         self.model, self.draft, self.cfg = model, draft, cfg
         self.harvest, self.policy = harvest, policy
         self.block_size = cfg.block_size
         self.max_k = harvest.n_drafts(cfg.block_size)
+        self.vt_cap = self.max_k + 1 if vt_cap is None else vt_cap
         self.tap_layers = tap_layers
-        self.selector = Selector(draft.sel_hidden_proj, draft.sel_pred, draft.sel_succ, cfg.selector_top_k)
+        self.selector = None if draft.family == DFLASH else \
+            Selector(draft.sel_hidden_proj, draft.sel_pred, draft.sel_succ, cfg.selector_top_k)
         self.markov = None if draft.markov_w1 is None else MarkovHead(draft.markov_w1, draft.markov_w2)
+        self.markov_bias = markov_bias and self.markov is not None
         self.confidence = None
         if draft.conf_w is not None:
             if draft.conf_with_markov and self.markov is None:
@@ -125,7 +154,7 @@ class DFlash2State:
         self.pending = [self._tap_rows(start.taps, "the prompt")]
         self.committed = len(start.prompt)
         self.anchor = int(start.anchor)
-        self.window = VerifyWindow(drafter.policy, vt_cap=drafter.max_k + 1)
+        self.window = VerifyWindow(drafter.policy, vt_cap=drafter.vt_cap)
 
     def _tap_rows(self, taps: dict, what: str) -> list:
         missing = [layer for layer in self.drafter.tap_layers if taps.get(layer) is None]
@@ -157,12 +186,7 @@ class DFlash2State:
         hidden = draft.forward_block(self.kv, block, self.kv.len)
         first = d.harvest.first_row
         rows = hidden[first:first + n]
-        uniforms, temperature = None, 1.0
-        if sampling is not None:
-            temperature = float(sampling.params.temperature)
-            uniforms = [sampling.streams.accept_uniform() for _ in range(n)]
-        bias = None if d.markov is None else d.markov.row_bias
-        walk = d.selector.walk(draft.logits(rows), rows, self.anchor, uniforms, temperature, bias)
+        walk = self._walk(rows, sampling)
         confidences = walk.confidences
         raws = None
         if d.confidence is not None:
@@ -174,6 +198,19 @@ class DFlash2State:
         keep = min(self.window.size(raws if d.policy.is_confidence else None) - 1, n)
         q = None if sampling is None else walk.q.truncate(keep)
         return Proposal(tokens=walk.path[:keep], q=q, confidences=confidences[:keep])
+
+    def _walk(self, rows, sampling):
+        """The drafts of the harvested rows: the candidate selector's walk (sparse q), or each row
+        on its own for a checkpoint without one (dense q)."""
+        d, logits = self.drafter, self.drafter.draft.logits(rows)
+        bias = d.markov.row_bias if d.markov_bias else None
+        if d.selector is None:
+            return dense_walk(logits, self.anchor, sampling, bias)
+        uniforms, temperature = None, 1.0
+        if sampling is not None:
+            temperature = float(sampling.params.temperature)
+            uniforms = [sampling.streams.accept_uniform() for _ in range(rows.shape[0])]
+        return d.selector.walk(logits, rows, self.anchor, uniforms, temperature, bias)
 
     def commit(self, outcome: RoundOutcome) -> None:
         """Queue the kept verify rows' taps (anchor + accepted drafts) as the next context rows."""

@@ -1,9 +1,13 @@
-"""The DFlash2 tensor contract, its census, and loading at a chosen precision.
+"""The DFlash-family tensor contract, its census, and loading at a chosen precision.
 
-Every expected tensor must be present with its shape (one `CheckpointError` names every
-offender). The optional heads are mapped when present: the markov head (`markov_head.w1`,
-`markov_head.w2`, both [V, rank]) and the confidence head (`confidence_head.weight` [1, H] or
-[1, H + rank], `confidence_head.bias` [1]). Any other tensor is unmapped: a DSpark-strategy export
+The census names the family from the tensors themselves: any dynamic-conv or candidate-selector
+tensor makes a DFlash2 checkpoint (`dflash2`: every conv and selector tensor is then required);
+none makes the plain backbone of DFlash v1 and DSpark exports (`dflash`: the seed's format, whose
+drafts are each row's own argmax or draw). Every expected tensor must be present with its shape
+(one `CheckpointError` names every offender). The optional heads are mapped when present: the
+markov head (`markov_head.w1`, `markov_head.w2`, both [V, rank]) and the confidence head
+(`confidence_head.weight` [1, H] or [1, H + rank] with its `confidence_head.bias` [1]; either one
+alone, or another width, is refused). Any other tensor is unmapped: a DSpark-strategy export
 refuses it (a tensor we would silently drop is a program we would not run), a DFlash export warns.
 
 Precision: the backbone projections (fc and every q/k/v/o, gate/up/down) take the chosen
@@ -43,9 +47,16 @@ _ALIASES = {
     "confidence_head.bias": ("confidence_head.proj.bias",),
 }
 HEADS = ("markov_head.w1", "markov_head.w2", "confidence_head.weight", "confidence_head.bias")
+DFLASH2, DFLASH = "dflash2", "dflash"     # the families: with convs + selector, the plain backbone
+_DFLASH2_PARTS = (".attention_conv.", ".mlp_conv.", "candidate_selector.")
 
 
-def _layer_tensors(cfg, i: int) -> dict[str, tuple[int, ...]]:
+def family_of(names) -> str:
+    """`dflash2` when any tensor belongs to the dynamic convs or the candidate selector."""
+    return DFLASH2 if any(part in name for name in names for part in _DFLASH2_PARTS) else DFLASH
+
+
+def _layer_tensors(cfg, i: int, family: str) -> dict[str, tuple[int, ...]]:
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     k, groups = cfg.conv_kernel_size, cfg.hidden_size // cfg.conv_group_size
@@ -62,25 +73,26 @@ def _layer_tensors(cfg, i: int) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (inter, h),
         "mlp.down_proj.weight": (h, inter),
     }
-    for conv in ("attention_conv", "mlp_conv"):
+    for conv in ("attention_conv", "mlp_conv") if family == DFLASH2 else ():
         shapes[f"{conv}.base_kernel"] = (2, k, h)
         shapes[f"{conv}.kernel_projection.weight"] = (2 * k * groups, h)
     return {f"layers.{i}.{name}": shape for name, shape in shapes.items()}
 
 
-def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
-    """Canonical name -> shape of every tensor a DFlash2 checkpoint must hold."""
+def expected_tensors(cfg, family: str = DFLASH2) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape of every tensor a checkpoint of `family` must hold."""
+    if family not in (DFLASH2, DFLASH):
+        raise InputError(f"unknown drafter family {family!r}: choose {DFLASH2!r} or {DFLASH!r}")
     h, r, v = cfg.hidden_size, cfg.selector_rank, cfg.vocab_size
-    out = {
-        "fc.weight": (h, len(cfg.target_layer_ids) * h),
-        "hidden_norm.weight": (h,),
-        "norm.weight": (h,),
-        "candidate_selector.hidden_projection.weight": (r, h),
-        "candidate_selector.predecessor_codebook": (v, r),
-        "candidate_selector.successor_codebook": (v, r),
-    }
+    out = {"fc.weight": (h, len(cfg.target_layer_ids) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    if family == DFLASH2:
+        out.update({
+            "candidate_selector.hidden_projection.weight": (r, h),
+            "candidate_selector.predecessor_codebook": (v, r),
+            "candidate_selector.successor_codebook": (v, r),
+        })
     for i in range(cfg.num_hidden_layers):
-        out.update(_layer_tensors(cfg, i))
+        out.update(_layer_tensors(cfg, i, family))
     return out
 
 
@@ -116,17 +128,35 @@ def _head_shapes(cfg, shapes: dict) -> dict[str, tuple[int, ...]]:
         rank = w1[1]
         want["markov_head.w1"] = want["markov_head.w2"] = (v, rank)
     if "confidence_head.weight" in shapes or "confidence_head.bias" in shapes:
-        with_markov = rank is not None and shapes.get("confidence_head.weight") == (1, h + rank)
-        want["confidence_head.weight"] = (1, h + rank) if with_markov else (1, h)
-        want["confidence_head.bias"] = (1,)
+        want.update(_confidence_shapes(shapes, h, rank))
     return want
+
+
+def _confidence_shapes(shapes: dict, h: int, rank: int | None) -> dict[str, tuple[int, ...]]:
+    """The confidence head is a weight [1, in_dim] and its bias, together; in_dim is the hidden
+    size, or hidden + markov rank when the head was trained on the markov embedding too."""
+    present = [n for n in ("confidence_head.weight", "confidence_head.bias") if n in shapes]
+    if len(present) == 1:
+        other = "bias" if present[0].endswith("weight") else "weight"
+        raise CheckpointError(f"confidence head: {present[0]} {list(shapes[present[0]])} has no "
+                              f"confidence_head.{other} beside it; the head is a weight [1, in_dim] and a "
+                              "bias [1]: export both, or neither")
+    weight = shapes["confidence_head.weight"]
+    widths = {h: "hidden_size"} if rank is None else {h: "hidden_size", h + rank: "hidden_size + markov rank"}
+    if len(weight) != 2 or weight[0] != 1 or weight[1] not in widths:
+        named = " or ".join(f"{w} ({what})" for w, what in widths.items())
+        raise CheckpointError(f"confidence head: confidence_head.weight is {list(weight)}, and its input "
+                              f"must be [1, {named}]; the head was trained for another drafter (or "
+                              "without its markov head): re-export it with this drafter")
+    return {"confidence_head.weight": weight, "confidence_head.bias": (1,)}
 
 
 def census(path: str, cfg, file_shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
     """Check the tensor contract; return canonical name -> file name of every mapped tensor."""
     canon = _canonical_names(path, file_shapes)
     shapes = {canon[n]: tuple(s) for n, s in file_shapes.items()}
-    expected = expected_tensors(cfg)
+    family = family_of(shapes)
+    expected = expected_tensors(cfg, family)
     expected.update(_head_shapes(cfg, shapes))
     missing = [n for n in expected if n not in shapes]
     misshaped = [f"{n} is {list(shapes[n])}, expected {list(s)}" for n, s in expected.items()
@@ -134,7 +164,8 @@ def census(path: str, cfg, file_shapes: dict[str, tuple[int, ...]]) -> dict[str,
     if missing or misshaped:
         parts = ([f"missing {len(missing)}: {', '.join(missing)}"] if missing else []) \
             + ([f"misshaped: {'; '.join(misshaped)}"] if misshaped else [])
-        raise CheckpointError(f"{path}: not the DFlash2 checkpoint its config.json describes ({' | '.join(parts)}); "
+        what = "DFlash2 (convs + candidate selector)" if family == DFLASH2 else "DFlash / DSpark backbone"
+        raise CheckpointError(f"{path}: not the {what} checkpoint its config.json describes ({' | '.join(parts)}); "
                               "re-export the drafter or fix its config")
     extra = sorted(n for n in shapes if n not in expected)
     if extra:

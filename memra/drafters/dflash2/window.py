@@ -114,6 +114,17 @@ def _parse_tau(tau) -> float:
     return value
 
 
+def resolve_vt_cap(verify_t, max_k: int) -> int:
+    """The `verify_t` option: the most rows a verify walk carries (the anchor + up to max_k
+    drafts), default max_k + 1; outside 2..=max_k + 1 is refused (the seed clamped silently)."""
+    if verify_t is None:
+        return max_k + 1
+    if isinstance(verify_t, bool) or not isinstance(verify_t, int) or not 2 <= verify_t <= max_k + 1:
+        raise InputError(f"verify_t={verify_t!r}: the verify window's cap must be an integer in 2..={max_k + 1} "
+                         f"(the anchor plus 1..={max_k} drafts this drafter makes per round)")
+    return verify_t
+
+
 class VerifyWindow:
     """One session's window: sizes each round and carries the ladder between rounds."""
 

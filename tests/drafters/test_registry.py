@@ -7,7 +7,6 @@ import re
 import pytest
 
 import memra
-from memra import load_model
 from memra.drafters import builtin, registry
 from memra.drafters.hookspecs import hookimpl
 from memra.drafters.native_mtp import NativeMtpSource
@@ -19,34 +18,6 @@ from memra.speculative.contract import Proposal
 NGRAM_INSTALLED = any(ep.name == "ngram" for ep in importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP))
 needs_ngram = pytest.mark.skipif(not NGRAM_INSTALLED, reason="pip install -e plugins/memra-ngram first")
 NGRAM = {"ngram"} if NGRAM_INSTALLED else set()
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    """A registry rebuilt from scratch, with MEMRA_LOAD_PLUGINS unset unless the test sets it."""
-    monkeypatch.delenv(registry.ALLOW_LIST_ENV, raising=False)
-    registry.reset_registry()
-    yield monkeypatch
-    registry.reset_registry()
-
-
-@pytest.fixture
-def plugged(fresh):
-    """register(plugin, name): put a plugin object on the live manager; removed afterwards."""
-    added = []
-
-    def register(plugin, name):
-        registry.plugin_manager().register(plugin, name=name)
-        added.append(name)
-
-    yield register
-    for name in added:
-        registry.plugin_manager().unregister(name=name)
-
-
-@pytest.fixture(scope="module")
-def mini(fixture_dir):
-    return load_model(fixture_dir("mini"), backend="numpy")
 
 
 # ---- the hook ------------------------------------------------------------------------------------------

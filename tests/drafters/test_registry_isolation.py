@@ -8,7 +8,6 @@ import textwrap
 
 import pytest
 
-from memra import load_model
 from memra.drafters import registry
 from memra.drafters.hookspecs import hookimpl
 from memra.errors import InputError
@@ -17,32 +16,6 @@ from memra.run import main
 from memra.speculative.contract import Proposal
 
 PROMPT = [1, 2, 3, 4, 5, 6]
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    monkeypatch.delenv(registry.ALLOW_LIST_ENV, raising=False)
-    registry.reset_registry()
-    yield monkeypatch
-    registry.reset_registry()
-
-
-@pytest.fixture
-def plugged(fresh):
-    added = []
-
-    def register(plugin, name):
-        registry.plugin_manager().register(plugin, name=name)
-        added.append(name)
-
-    yield register
-    for name in added:
-        registry.plugin_manager().unregister(name=name)
-
-
-@pytest.fixture(scope="module")
-def mini(fixture_dir):
-    return load_model(fixture_dir("mini"), backend="numpy")
 
 
 class EchoSource:

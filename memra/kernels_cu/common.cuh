@@ -4,10 +4,9 @@
 #pragma once
 
 // MEMRA_BLOCK: threads per block for row reductions, a fixed split size. Constants the host
-// shares arrive as -D defines from memra/kernels_cu/constants.py; without them, stop here.
-#if !defined(MEMRA_BLOCK) || !defined(WARPS_PER_BLOCK)
-#error "MEMRA_BLOCK, WARPS_PER_BLOCK must come from the build (-D, memra/kernels_cu/constants.py)"
-#endif
+// shares come from memra/kernels_cu/constants.py: as -D defines in the build, and through the
+// header generated from the same table.
+#include "constants.cuh"
 
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
     return __uint_as_float(((unsigned int)b) << 16);

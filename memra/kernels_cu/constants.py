@@ -4,9 +4,10 @@
 
 Every kernel family is built with each entry of KERNEL_CONSTANTS as a `-DNAME=value` define
 (backend/cuda/runtime.py for NVRTC, tests/backend/test_kernels_compile.py for nvcc), and the
-wrappers size their grids and check their bounds with the same names. No `.cu`/`.cuh` file
-defines them (tests/backend/test_kernel_constants.py); a source built without them stops at
-its `#error`. Constants only one side needs stay there (a kernel's inner tile shapes, a
+wrappers size their grids and check their bounds with the same names. No hand-written `.cu`/`.cuh`
+file defines them (tests/backend/test_kernel_constants.py). `constants.cuh` is generated from this
+table (`header_text()`, checked by a test) so a plain `nvcc file.cu` builds the same sizes; its
+`#ifndef` entries give way to the build's defines. Constants only one side needs stay there (a kernel's inner tile shapes, a
 wrapper's dispatch thresholds). This module imports no cupy, so CPU-only tests can read it.
 """
 
@@ -66,3 +67,20 @@ KERNEL_CONSTANTS: dict[str, int] = {
 }
 
 DEFINES = tuple(f"-D{name}={value}" for name, value in KERNEL_CONSTANTS.items())
+
+
+HEADER = "constants.cuh"
+
+
+def header_text() -> str:
+    """constants.cuh, generated: `python -m memra.kernels_cu.constants > memra/kernels_cu/constants.cuh`."""
+    lines = ["// Generated from memra/kernels_cu/constants.py (header_text); edit the table there, not here.",
+             "// The build passes the same values as -D defines; these let a plain `nvcc file.cu` build.",
+             "#pragma once"]
+    for name, value in KERNEL_CONSTANTS.items():
+        lines += [f"#ifndef {name}", f"#define {name} {value}", "#endif"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(header_text(), end="")

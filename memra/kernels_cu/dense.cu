@@ -13,12 +13,6 @@
 #include "common.cuh"
 #include "exact_mma.cuh"
 
-#if !defined(OUTS_PER_WARP_T1) || !defined(OUTS_PER_WARP_T2) || !defined(OUTS_PER_WARP_T4) || \
-    !defined(OUTS_PER_WARP_T8) || !defined(OUTS_PER_WARP_T16) || !defined(BF16_OUTS) ||         \
-    !defined(SPLIT_KC) || !defined(VERIFY_CAP)
-#error "dense.cu: OUTS_PER_WARP_T*, BF16_OUTS, SPLIT_KC, VERIFY_CAP must come from the build (-D)"
-#endif
-
 static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
 static_assert(VERIFY_CAP <= 16, "a verify walk's rows take one weight pass (row template t16, bf16 n2)");
 static_assert(BF16_OUTS % 16 == 0, "a bf16 tile is whole 16-row MMA blocks");

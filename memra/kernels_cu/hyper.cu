@@ -4,11 +4,6 @@
 // Semantics: NumpyBackend.hc_weights / hc_collapse / hc_combine / stream_mean.
 #include "common.cuh"
 
-// HC_MAX_N: streams (the wrapper asserts n <= HC_MAX_N). HC_CHUNK: see hc_partials.
-#if !defined(HC_MAX_N) || !defined(HC_CHUNK)
-#error "hyper.cu: HC_MAX_N, HC_CHUNK must come from the build (-D)"
-#endif
-
 // Fixed xor-butterfly over the 32 lanes. Each step adds a commutative pair, so every lane ends
 // with the same bits; callers still take lane 0's value.
 static __device__ __forceinline__ float hc_warp_sum(float v) {

@@ -7,9 +7,6 @@
 #include "common.cuh"
 
 // The wrapper asserts conv taps K <= KDA_MAX_CONV and key dim dk <= KDA_MAX_DK.
-#if !defined(KDA_MAX_CONV) || !defined(KDA_MAX_DK)
-#error "kda.cu: KDA_MAX_CONV, KDA_MAX_DK must come from the build (-D)"
-#endif
 static_assert(KDA_MAX_DK % 32 == 0, "a warp's lanes share a state column evenly");
 #define KDA_SLOTS (KDA_MAX_DK / 32)  // S entries each lane holds for its column
 

@@ -5,10 +5,6 @@
 // t-row launch is bit-identical to the same row launched alone.
 #include "common.cuh"
 
-#if !defined(ATT_POS) || !defined(MIX_HEADS) || !defined(MIX_CHANNELS)
-#error "mla.cu: ATT_POS, MIX_HEADS, MIX_CHANNELS must come from the build (-D)"
-#endif
-
 static __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // One pool key channel: the P slot keys (stride Di from k, g) mixed by a softmax over the slots

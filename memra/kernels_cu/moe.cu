@@ -9,11 +9,6 @@
 #include "common.cuh"
 #include "exact_mma.cuh"
 
-#if !defined(MOE_MAX_EXPERTS) || !defined(MAX_TOPK) || !defined(MAX_GROUPS) || \
-    !defined(GATE_UP_UNITS) || !defined(BF16_OUTS)
-#error "moe.cu: MOE_MAX_EXPERTS, MAX_TOPK, MAX_GROUPS, GATE_UP_UNITS, BF16_OUTS must come from the build (-D)"
-#endif
-
 static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
 static_assert(MAX_GROUPS == 64, "moe_route_select keeps the groups in a 64-bit mask, two per lane");
 static_assert(GATE_UP_UNITS == 16, "a gate|up tile is one 16-row MMA block of gate rows, one of up rows");

@@ -1,5 +1,6 @@
-"""A constant the kernels and the wrappers share has one home, memra/kernels_cu/constants.py, and
-reaches the .cu files only as a -D define. CPU-only: it reads the sources as text."""
+"""A constant the kernels and the wrappers share has one home, memra/kernels_cu/constants.py: it
+reaches the .cu files as a -D define and through constants.cuh, generated from the same table.
+CPU-only: it reads the sources as text."""
 
 import ast
 import re
@@ -12,6 +13,7 @@ from memra.kernels_cu.constants import DEFINES, KERNEL_CONSTANTS
 
 KERNELS = resources.files("memra.kernels_cu")
 SOURCES = {p.name: p.read_text() for p in KERNELS.iterdir() if p.name.endswith((".cu", ".cuh"))}
+WRITTEN = {name: text for name, text in SOURCES.items() if name != constants.HEADER}  # by hand
 NAMES = set(KERNEL_CONSTANTS)
 PACKAGE = Path(memra.__file__).parent
 
@@ -31,14 +33,9 @@ def hard_coded(text: str) -> list[str]:
     return sorted(NAMES.intersection(found))
 
 
-def guarded(text: str) -> set[str]:
-    return NAMES.intersection(re.findall(r"defined\s*\(\s*(\w+)\s*\)", code_of(text)))
-
-
 def used(text: str) -> set[str]:
-    """Table names the code reads, the guard (#if / #error) lines aside."""
-    lines = [ln for ln in code_of(text).splitlines() if not re.match(r"\s*#\s*(if|error|endif)", ln)]
-    return NAMES.intersection(re.findall(r"\b\w+\b", "\n".join(lines)))
+    """Table names the code reads."""
+    return NAMES.intersection(re.findall(r"\b\w+\b", code_of(text)))
 
 
 def included(name: str) -> set[str]:
@@ -53,10 +50,10 @@ def included(name: str) -> set[str]:
 
 
 def test_no_kernel_source_defines_a_shared_constant():
-    offenders = {name: hard_coded(text) for name, text in SOURCES.items()}
+    offenders = {name: hard_coded(text) for name, text in WRITTEN.items()}
     offenders = {name: found for name, found in offenders.items() if found}
-    assert not offenders, (f"{offenders}: these come from memra/kernels_cu/constants.py as -D defines; "
-                           "delete the definitions from the kernel sources")
+    assert not offenders, (f"{offenders}: these come from memra/kernels_cu/constants.py (-D defines and "
+                           "the generated constants.cuh); delete the definitions from the kernel sources")
 
 
 def test_a_planted_define_or_constexpr_is_named():
@@ -71,16 +68,25 @@ def test_a_planted_define_or_constexpr_is_named():
 
 
 def test_every_shared_constant_is_read_by_a_kernel():
-    unread = NAMES - set().union(*(used(text) for text in SOURCES.values()))
+    unread = NAMES - set().union(*(used(text) for text in WRITTEN.values()))
     assert not unread, f"{sorted(unread)}: no kernel reads them; keep them beside their only user in Python"
 
 
-def test_every_source_guards_the_shared_constants_it_reads():
-    """A source built without a define stops at its #error naming it, not at some later line."""
-    for name, text in SOURCES.items():
-        guards = guarded(text).union(*(guarded(SOURCES[h]) for h in included(name)))
-        missing = used(text) - guards
-        assert not missing, f"{name} reads {sorted(missing)} without an #ifndef ... #error guard"
+def test_every_source_that_reads_a_shared_constant_includes_the_generated_header():
+    """So a plain `nvcc file.cu` (no -D) builds the table's sizes, not an undefined name."""
+    for name, text in WRITTEN.items():
+        if used(text) and name != "common.cuh":
+            assert constants.HEADER in included(name), f"{name} reads {sorted(used(text))} without constants.cuh"
+
+
+def test_the_generated_header_is_the_table():
+    on_disk = SOURCES[constants.HEADER]
+    assert on_disk == constants.header_text(), (
+        "memra/kernels_cu/constants.cuh is stale: python -m memra.kernels_cu.constants > "
+        "memra/kernels_cu/constants.cuh")
+    # red arm: a header left behind by a change to the table is told apart
+    stale = on_disk.replace(f"#define SPLIT_KC {constants.SPLIT_KC}", "#define SPLIT_KC 1024")
+    assert stale != constants.header_text()
 
 
 def test_the_defines_are_the_table():

@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     ap = model_args(__doc__)
     ap.add_argument("--prompt-lens", type=int_list, default=[512, 4096], help="prefill lengths, e.g. 512,4096")
     args = ap.parse_args(argv)
-    model = build_model(args.preset, args.backend, args.seed)
+    model = build_model(args.preset, args.backend, args.seed, args.dtype)
     roof = roof_gbs(model.be)
     config = model_config(args, model, prompt_lens=args.prompt_lens)
     record = record_header("bench_decode", args.git_sha, config, model.be) | {

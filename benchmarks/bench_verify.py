@@ -81,7 +81,7 @@ def main(argv=None) -> int:
                     help="row counts t, e.g. 1-15 (the default) or 1,8")
     ap.add_argument("--reps", type=int, default=10, help="timed walks per row count")
     args = ap.parse_args(argv)
-    model = build_model(args.preset, args.backend, args.seed)
+    model = build_model(args.preset, args.backend, args.seed, args.dtype)
     roof = roof_gbs(model.be)
     cache, anchor = prime_context(model, args.context, VERIFY_CAP + WARMUP_STEPS + args.steps, args.seed)
     tape = greedy_tape(model, cache, anchor, max(args.rows))

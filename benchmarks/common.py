@@ -38,7 +38,9 @@ import zlib
 import numpy as np
 
 from memra.backend import get_backend
+from memra.backend.fp8 import Fp8Block, f32_to_e4m3, scale_grid
 from memra.checkpoint import expected_tensors, fixture_tensor
+from memra.checkpoint_fp8 import fp8_allowed
 from memra.config import ModelConfig, preset
 from memra.model.moe import Moe
 from memra.model.trunk import Glm5Model
@@ -51,8 +53,11 @@ WARMUP_STEPS = 2         # untimed decode steps before a timed run
 
 # ---- the model under test ---------------------------------------------------------------------
 
-def bench_weights(cfg: ModelConfig, seed: int = 0, pooled_min: int = POOLED_MIN) -> dict[str, np.ndarray]:
-    """Canonical name -> bf16 bits (uint16) for every tensor of `cfg` (see the module docstring)."""
+def bench_weights(cfg: ModelConfig, seed: int = 0, pooled_min: int = POOLED_MIN, dtype: str = "bf16") -> dict:
+    """Canonical name -> bf16 bits (uint16) for every tensor of `cfg` (see the module docstring).
+    dtype "fp8": the FP8 release's split instead: each matrix the release stores in FP8 is an
+    Fp8Block viewing one shared pool of e4m3 bytes (N(0, 1) quantized) with every block scale
+    hidden_size^-0.5, the bf16 pool's spread; the rest as for bf16."""
     shapes = expected_tensors(cfg)
     pooled = {name for name, shape in shapes.items() if math.prod(shape) >= pooled_min}
     pool = _pool(cfg, seed, min(POOL_ELEMENTS, sum(math.prod(shapes[n]) for n in pooled))) if pooled else None
@@ -68,7 +73,20 @@ def bench_weights(cfg: ModelConfig, seed: int = 0, pooled_min: int = POOLED_MIN)
         # bf16 exponent field (times a power of two: exact, and no value nears the field's ends)
         shift = round(math.log2(cfg.hidden_size) / 2)
         out["embed_tokens.weight"] = out["embed_tokens.weight"] + np.uint16(shift << 7)
+    if dtype == "fp8":
+        fp8 = [name for name in shapes if fp8_allowed(name, cfg)]
+        pool = _fp8_pool(seed, min(POOL_ELEMENTS, sum(math.prod(shapes[n]) for n in fp8))) if fp8 else None
+        scale = np.float32(cfg.hidden_size ** -0.5)
+        for name in fp8:
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            data = _pool_slice(pool, math.prod(shapes[name]), rng).reshape(shapes[name])
+            out[name] = Fp8Block(data, np.full(scale_grid(shapes[name]), scale, np.float32))
     return out
+
+
+def _fp8_pool(seed: int, n: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, zlib.crc32(b"bench fp8 pool")])
+    return f32_to_e4m3(rng.standard_normal(n, dtype=np.float32))
 
 
 def _pool(cfg: ModelConfig, seed: int, n: int) -> np.ndarray:
@@ -88,10 +106,10 @@ def _pool_slice(pool: np.ndarray, n: int, rng) -> np.ndarray:
     return np.concatenate([pool[s:s + piece] for s in starts])[:n]
 
 
-def build_model(preset_name: str, backend_name: str, seed: int = 0) -> Glm5Model:
-    """A preset's Glm5Model on a backend ("numpy" | "cuda"), weights from `bench_weights`."""
+def build_model(preset_name: str, backend_name: str, seed: int = 0, dtype: str = "bf16") -> Glm5Model:
+    """A preset's Glm5Model on a backend ("numpy" | "cuda"), weights ("bf16" | "fp8") from `bench_weights`."""
     cfg = ModelConfig.from_dict(preset(preset_name))
-    return Glm5Model(cfg, bench_weights(cfg, seed), get_backend(backend_name))
+    return Glm5Model(cfg, bench_weights(cfg, seed, dtype=dtype), get_backend(backend_name))
 
 
 def random_tokens(cfg: ModelConfig, n: int, seed: int) -> np.ndarray:
@@ -324,13 +342,16 @@ def model_args(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps")
     ap.add_argument("--context", type=int, default=512, help="tokens primed before decode / verify")
     ap.add_argument("--seed", type=int, default=0, help="weights and prompt tokens")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"),
+                    help="weights: bf16, or the FP8 release's split (e4m3 + 128x128 block scales)")
     return ap
 
 
 def model_config(args, model: Glm5Model, **extra) -> dict:
     """The `config` of a model benchmark's record: the options and the full model config."""
     return {"preset": args.preset, "backend": args.backend, "seed": args.seed, "context": args.context,
-            "steps": args.steps, **extra, "weights": "bf16, built in memory (benchmarks/common.py)",
+            "steps": args.steps, **extra, "weights": f"{getattr(args, 'dtype', 'bf16')}, built in memory "
+                                                    "(benchmarks/common.py)",
             "model": model.cfg.to_dict()}
 
 

@@ -1,7 +1,8 @@
 """The glm5_next tensor contract: what a checkpoint must hold, and loading it.
 
 A checkpoint arrives under several spellings (the release's `model.language_model.` prefix, a flat
-`model.` or bare text-model export, transformers' live fused tensors) and in F32, BF16 or F16. This
+`model.` or bare text-model export, transformers' live fused tensors) and in F32, BF16 or F16, or
+as the FP8 release (F8_E4M3 matrices with 128x128 block scales: memra/checkpoint_fp8.py). This
 module maps all of them to one set of canonical bare names (research/glm5_checkpoint.md section 1),
 checks the result against `expected_tensors(cfg)` and refuses with ONE `CheckpointError` that names
 every missing, unexpected, misshaped, unsupported or non-finite (NaN/inf) tensor, so a broken
@@ -25,8 +26,9 @@ from memra.config import KDA, ModelConfig
 from memra.errors import CheckpointError, InputError
 from memra.jsonfile import read_json_object
 from memra.memory import check_weights_fit, weight_bytes
+from memra.checkpoint_fp8 import FP8_KIND, check_quantization_config, pair_scales, unsupported_fp8_message
 from memra.safetensors_io import (
-    SUPPORTED_DTYPES, all_finite, bf16_to_f32, nonfinite_count, read_header, read_tensors,
+    READABLE_DTYPES, SUPPORTED_DTYPES, all_finite, bf16_to_f32, nonfinite_count, read_header, read_tensors,
 )
 
 SINGLE_FILE = "model.safetensors"
@@ -229,6 +231,8 @@ def _read_weight_map(index: str) -> dict[str, str]:
 
 
 def _widen(arr: np.ndarray, dtype: str, keep_bf16: bool) -> np.ndarray:
+    if dtype == "F8_E4M3":  # raw e4m3 bytes until pair_scales joins them with their scales
+        return arr
     if dtype == "BF16":
         return arr if keep_bf16 else bf16_to_f32(arr)
     return arr.astype(np.float32, copy=False)
@@ -242,7 +246,8 @@ def _natural(text: str) -> list:
 class _Census:
     """Offenders against the contract, collected so one error can name them all."""
 
-    KINDS = ("missing", "unexpected", "wrong shape", "unsupported dtype", "not finite", "duplicate", "malformed")
+    KINDS = ("missing", "unexpected", "wrong shape", "unsupported dtype", FP8_KIND, "not finite", "duplicate",
+             "malformed")
 
     def __init__(self):
         self.lines: dict[str, list[str]] = {kind: [] for kind in self.KINDS}
@@ -311,13 +316,17 @@ def _headers(path: str, cfg: ModelConfig) -> list:
 
 def _file_tensors(file: str, header, kept: dict, keep_bf16: bool, census: _Census):
     """Yield (raw name, canonical name, shape, array or None) for one file's kept tensors."""
-    readable = [raw for raw in kept if header.entries[raw].dtype in SUPPORTED_DTYPES]
+    readable = [raw for raw in kept if header.entries[raw].dtype in READABLE_DTYPES]
     arrays = read_tensors(file, header, readable)  # ignored tensors are never read
     for raw, name in kept.items():
         entry = header.entries[raw]
         if raw not in arrays:
-            supported = ", ".join(SUPPORTED_DTYPES)
-            census.add("unsupported dtype", f"{raw} is {entry.dtype} (memra reads {supported})")
+            if entry.dtype.startswith("F8_"):
+                census.add(FP8_KIND, unsupported_fp8_message(raw, entry.dtype))
+            else:
+                supported = ", ".join(SUPPORTED_DTYPES)
+                census.add("unsupported dtype", f"{raw} is {entry.dtype} (memra reads {supported}, "
+                                                "and F8_E4M3 with block scales)")
             yield raw, name, entry.shape, None
             continue
         arr = arrays.pop(raw)
@@ -332,13 +341,17 @@ def _collect(path: str, cfg: ModelConfig, keep_bf16: bool, census: _Census):
     files = _headers(path, cfg)
     entries = [(raw, header.entries[raw]) for _, header, kept in files for raw in kept]
     _check_declared_count(path, cfg, entries)
+    if any(e.dtype.startswith("F8_") for _, e in entries):
+        check_quantization_config(path)
     check_weights_fit(weight_bytes(((e.dtype, e.shape) for _, e in entries), keep_bf16), path)
     got: dict[str, tuple[tuple[int, ...], np.ndarray | None]] = {}
     source: dict[str, str] = {}
+    dtypes: dict[str, str] = {}  # canonical name -> stored dtype (FP8 pairing reads it)
     for file, header, kept in files:
         for raw, name, shape, arr in _file_tensors(file, header, kept, keep_bf16, census):
             parts = {name: arr}
-            if arr is not None and _FUSED.match(name):
+            fp8 = header.entries[raw].dtype == "F8_E4M3"  # a fused FP8 tensor stays whole: refused
+            if arr is not None and _FUSED.match(name) and not fp8:
                 parts = _unfuse(name, arr)
                 if isinstance(parts, str):
                     census.add("malformed", parts)
@@ -348,6 +361,8 @@ def _collect(path: str, cfg: ModelConfig, keep_bf16: bool, census: _Census):
                     census.add("duplicate", f"{part} (from {source[part]} and {raw})")
                     continue
                 got[part], source[part] = (tuple(shape if t is None else t.shape), t), raw
+                dtypes[part] = header.entries[raw].dtype
+    pair_scales(got, dtypes, source, census, cfg)
     return got
 
 
@@ -355,7 +370,8 @@ def load_checkpoint(path, cfg: ModelConfig, keep_bf16: bool = False) -> dict[str
     """Load a checkpoint directory (single file or sharded) or one .safetensors file.
 
     Returns canonical bare name -> float32 array (BF16/F16 widened); with keep_bf16 BF16 tensors
-    stay raw uint16 bits. Raises one CheckpointError naming every contract offender (NaN/inf
+    stay raw uint16 bits; an FP8 tensor comes back as a memra.backend.fp8.Fp8Block (e4m3 bytes and
+    their block scales), whatever keep_bf16 says. Raises one CheckpointError naming every contract offender (NaN/inf
     weights included), or one naming a declared size the files or the host memory cannot hold.
     """
     if not isinstance(path, (str, os.PathLike)):

@@ -1,12 +1,16 @@
-"""The memory plan: what a model's weights and a cache of max_ctx positions take, checked before
+"""Memory accounting: what a model's weights and a cache of max_ctx positions take, checked before
 anything is allocated, so a declared size that cannot fit is refused with the numbers instead of
-exhausting memory (DESIGN.md section 4).
+exhausting memory (DESIGN.md section 4). The per-device plan built on it: memra/memory_plan.py.
 
 The estimate is simple on purpose, and this is all of it:
-* weights: each kept tensor's elements times its bytes as loaded, from the safetensors headers
-  (BF16 kept raw, as load_model keeps it: 2 bytes; F16 and F32 become float32: 4). Checked
-  against the host's available memory: the loader reads every tensor into host memory first,
-  on any backend.
+* weights on the host: each kept tensor's elements times its bytes as read, from the safetensors
+  headers (BF16 kept raw, as load_model keeps it: 2 bytes; F8_E4M3 1, its `_scale_inv` F32 4;
+  F16 and F32 become float32: 4). Checked against the host's available memory: the loader reads
+  every tensor into host memory first, on any backend.
+* weights on a device (held_bytes): projection matrices as stored (bf16 2 bytes, fp8 1 plus its
+  float32 block scales), every other tensor widened to float32; grouped by trunk layer, embedding,
+  head and MTP block (WeightBytes), from the headers or, with no files, from the tensor contract
+  (config_weight_bytes, layer_weight_bytes: what a pipeline balances its stages by).
 * a cache, float32 throughout. Per position: every DSA layer's latent row (kv_lora_rank); for a
   layer with its own indexer, its key and gate rows (2 x index_head_dim) and one pool key per
   index_kpool positions; the MTP block's plane likewise when the model has one (the native
@@ -18,19 +22,23 @@ The estimate is simple on purpose, and this is all of it:
     per_pos, fixed = cache_bytes(cfg)
     check_cache_fits(cfg, be, max_ctx)               # InputError with the max_ctx that fits
     limit, why = context_limit(cfg, be)              # the largest max_ctx allowed, and what bounds it
+    layer_weight_bytes(cfg, "fp8")                   # device bytes of each trunk layer, FP8 release
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import re
 
+from memra.checkpoint_fp8 import SCALE_SUFFIX
 from memra.errors import CheckpointError, InputError
 from memra.limits import VERIFY_CAP
 from memra.schedules import DSA, KDA
 
 F32 = 4
-LOADED_BYTES = {"BF16": 2, "F16": 4, "F32": 4}  # bytes per element once read (see above)
+LOADED_BYTES = {"BF16": 2, "F16": 4, "F32": 4, "F8_E4M3": 1}  # bytes per element once read (see above)
 
 
 def gib(n: int) -> str:
@@ -66,6 +74,125 @@ def weight_bytes(entries, keep_bf16: bool = True) -> int:
     return sum(math.prod(shape) * per.get(dtype, 4) for dtype, shape in entries)
 
 
+# ---- weight bytes per layer, as a device holds them --------------------------------------------
+# The model keeps projection matrices in their stored precision (be.matrix) and widens every other
+# tensor to float32 (be.weight: norms, biases, the embedding table, the router, hc, conv, ape;
+# memra/model/*.py). A tensor is held in float32 when it is 1-D or one of these:
+_HELD_F32 = re.compile(r"(^embed_tokens\.weight$|\.hc_\w+_fn$|conv1d\.weight$|\.mlp\.gate\.weight$"
+                       r"|\.index_kpool_compress_ape$)")
+# Tensors the release stores in F32 whatever its weight dtype (research/glm5_checkpoint.md section 2).
+_RELEASE_F32 = re.compile(r"(\.hc_\w+_(base|scale)$|\.A_log$|\.dt_bias$|\.e_score_correction_bias$)")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+_BY_BYTES = {4: "f32", 2: "bf16", 1: "fp8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightBytes:
+    """Device weight bytes of a model, grouped the way a pipeline splits it: `layers[i]` holds every
+    `layers.{i}.*` tensor of the trunk; `embed` (embed_tokens) goes with the first stage; `head`
+    (final norm + lm_head) and `mtp` (the NextN block, layers.{L}.*) with the last. `parts` keeps
+    each group's bytes by how they are held ("bf16", "fp8", "fp8_scale", "f32")."""
+
+    parts: dict  # group (trunk layer index, "embed", "head" or "mtp") -> {held dtype: bytes}
+    num_layers: int
+
+    def group(self, key) -> int:
+        return sum(self.parts.get(key, {}).values())
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(self.group(i) for i in range(self.num_layers))
+
+    @property
+    def embed(self) -> int:
+        return self.group("embed")
+
+    @property
+    def head(self) -> int:
+        return self.group("head")
+
+    @property
+    def mtp(self) -> int:
+        return self.group("mtp")
+
+    def by_dtype(self, groups=None) -> dict[str, int]:
+        """Held dtype -> bytes over `groups` (default: all)."""
+        out: dict[str, int] = {}
+        for key in self.parts if groups is None else groups:
+            for kind, nbytes in self.parts.get(key, {}).items():
+                out[kind] = out.get(kind, 0) + nbytes
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_dtype().values())
+
+
+def held_bytes(name: str, shape, dtype: str) -> tuple[str, int]:
+    """(held dtype, device bytes) of one canonical tensor stored as safetensors `dtype`: float32
+    tensors (see _HELD_F32), and F16/F32 matrices, take 4 bytes an element; BF16 matrices 2;
+    F8_E4M3 matrices 1 (their `_scale_inv` sibling, F32, is counted on its own as "fp8_scale")."""
+    n = math.prod(shape)
+    if name.endswith(SCALE_SUFFIX):
+        return "fp8_scale", n * F32
+    if len(shape) <= 1 or _HELD_F32.search(name) or dtype not in ("BF16", "F8_E4M3"):
+        return "f32", n * F32
+    return ("bf16", n * 2) if dtype == "BF16" else ("fp8", n)
+
+
+def release_dtypes(cfg, dtype: str = "bf16") -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Canonical name -> (safetensors dtype, shape) of every tensor a release checkpoint of `cfg`
+    holds: "f32" (all F32), "bf16" (the BF16 release) or "fp8" (the FP8 release, scales included),
+    from the tensor contract memra.checkpoint.expected_tensors, so it never drifts from a load."""
+    from memra.backend.fp8 import scale_grid
+    from memra.checkpoint import expected_tensors  # memra.checkpoint imports this module
+    from memra.checkpoint_fp8 import fp8_allowed
+
+    if dtype not in ("f32", "bf16", "fp8"):
+        raise InputError(f"weight dtype {dtype!r} is not one memra plans: choose f32, bf16 or fp8")
+    out = {}
+    for name, shape in expected_tensors(cfg).items():
+        if dtype == "f32" or _RELEASE_F32.search(name):
+            out[name] = ("F32", shape)
+        elif dtype == "fp8" and fp8_allowed(name, cfg):  # the release's FP8 set, by name: no files to ask
+            out[name] = ("F8_E4M3", shape)
+            out[name + SCALE_SUFFIX] = ("F32", scale_grid(shape))
+        else:
+            out[name] = ("BF16", shape)
+    return out
+
+
+def group_weight_bytes(cfg, tensors) -> WeightBytes:
+    """WeightBytes of (canonical name, safetensors dtype, shape) triples (a `_scale_inv` name rides
+    with its weight's layer)."""
+    n = cfg.num_hidden_layers
+    parts: dict = {}
+    for name, dtype, shape in tensors:
+        kind, nbytes = held_bytes(name, shape, dtype)
+        layer = _LAYER.match(name)
+        if layer is None:
+            key = "embed" if name.startswith("embed_tokens.") else "head"
+        else:
+            key = int(layer.group(1)) if int(layer.group(1)) < n else "mtp"
+        group = parts.setdefault(key, {})
+        group[kind] = group.get(kind, 0) + nbytes
+    return WeightBytes(parts, n)
+
+
+def config_weight_bytes(cfg, dtype: str = "bf16") -> WeightBytes:
+    """WeightBytes of a release checkpoint of `cfg` in `dtype` ("f32", "bf16" or "fp8"), without files."""
+    return group_weight_bytes(cfg, ((k, d, s) for k, (d, s) in release_dtypes(cfg, dtype).items()))
+
+
+def layer_weight_bytes(cfg, bytes_per_element: int | str = 2) -> list[int]:
+    """Device bytes of each trunk layer's weights (index i -> every `layers.{i}.*` tensor) for a
+    release checkpoint whose projections take `bytes_per_element` bytes: 2 / "bf16", 1 / "fp8"
+    (the FP8 release's split, with its scales), 4 / "f32". The embedding, head and MTP bytes:
+    config_weight_bytes(cfg, dtype).embed / .head / .mtp."""
+    dtype = _BY_BYTES.get(bytes_per_element, bytes_per_element)
+    return list(config_weight_bytes(cfg, dtype).layers)
+
+
 def check_weights_fit(nbytes: int, path: str) -> None:
     free = host_available_bytes()
     if free is not None and nbytes > free:
@@ -74,20 +201,32 @@ def check_weights_fit(nbytes: int, path: str) -> None:
             "available: free memory, or use a machine with more")
 
 
-def cache_bytes(cfg) -> tuple[int, int]:
-    """(bytes per position, fixed bytes) of one sequence's cache for `cfg` (see the module doc)."""
+def cache_parts(cfg, layers, mtp: bool) -> tuple[float, int]:
+    """(float32 elements per position, fixed float32 elements) of the state planes of trunk
+    `layers` (and of the MTP block's plane when `mtp`): see the module doc."""
     di, pool = cfg.index_head_dim, cfg.index_kpool
     indexer = 2 * di + di / pool  # key + gate rows, and a pool key every `pool` positions
-    per_pos = 0.0
-    for kind, mode in zip(cfg.layer_types, cfg.indexer_types):
-        if kind == DSA:
-            per_pos += cfg.kv_lora_rank + (indexer if mode == "full" else 0)
-    if cfg.has_mtp:
+    per_pos, n_kda = 0.0, 0
+    for i in layers:
+        if cfg.layer_types[i] == DSA:
+            per_pos += cfg.kv_lora_rank + (indexer if cfg.indexer_types[i] == "full" else 0)
+        n_kda += cfg.layer_types[i] == KDA
+    if mtp:
         per_pos += cfg.kv_lora_rank + indexer
-    n_kda = sum(kind == KDA for kind in cfg.layer_types)
     kda = (cfg.linear_conv_kernel_dim - 1) * 3 * cfg.linear_dim + cfg.linear_num_heads * cfg.linear_head_dim ** 2
-    walk = 2 * VERIFY_CAP * cfg.num_attention_heads * cfg.index_width
-    return math.ceil(per_pos * F32), (n_kda * kda + walk + di) * F32
+    return per_pos, n_kda * kda
+
+
+def walk_buffer_bytes(cfg) -> int:
+    """One verify walk's attention buffers (scores and positions of VERIFY_CAP rows), plus a pool
+    key row of slack."""
+    return (2 * VERIFY_CAP * cfg.num_attention_heads * cfg.index_width + cfg.index_head_dim) * F32
+
+
+def cache_bytes(cfg) -> tuple[int, int]:
+    """(bytes per position, fixed bytes) of one sequence's cache for `cfg` (see the module doc)."""
+    per_pos, kda = cache_parts(cfg, range(cfg.num_hidden_layers), cfg.has_mtp)
+    return math.ceil(per_pos * F32), kda * F32 + walk_buffer_bytes(cfg)
 
 
 def _fits(cfg, free: int) -> int:

@@ -1,5 +1,6 @@
 """Named config dicts: `mini` (the seed fixture, verbatim), `small` (the CPU-test model) and
-`bench` / `bench-dense` (GLM-5-Next's real per-layer widths in 12 layers, for the GPU benchmarks).
+`bench` / `bench-dense` (GLM-5-Next's real per-layer widths in 12 layers, for the GPU benchmarks)
+and `full` (the released model's every size: planned, never written).
 Each preset after `mini` is the one before it plus the keys that differ, so a difference reads
 as one line (and every dict keeps the seed's key order).
 
@@ -154,12 +155,32 @@ _BENCH = _derive(
 # block stays MoE, as in every checkpoint).
 _BENCH_DENSE = _derive(_BENCH, mlp_layer_types=["dense"] * 12)
 
-_PRESETS = {"mini": _MINI, "small": _SMALL, "bench": _BENCH, "bench-dense": _BENCH_DENSE}
+# GLM-5-Next as released, for the memory plan only (never written as a fixture: ~150 GB of bf16).
+# Widths, 45 layers, DSA at i % 4 == 3 (11 layers, every one with an indexer), 288 experts top-8,
+# index_kpool 4: research/glm5_checkpoint.md section 0 ("Real model") and section 1. Three dense
+# layers (HF's default first min(3, L)): the only count that gives the FP8 release's 37,338 scales
+# (section 1, "FP8 release extras"): 12 attention blocks x 4 + 3 dense MLPs x 3 + 43 MoE blocks x
+# (288 + 1) x 3. max_position_embeddings 1048576 is the value the release's DFlash drafter copies
+# from its target (research/dflash2.md); the research notes do not quote the target's own config.
+_FULL = _derive(
+    _BENCH,
+    num_hidden_layers=45,
+    max_position_embeddings=1048576,
+    layer_types=["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(45)],
+    mlp_layer_types=["dense"] * 3 + ["sparse"] * 42,
+    indexer_types=["full"] * 45,
+    linear_attn_config=_derive(_BENCH["linear_attn_config"], kda_layers=[i for i in range(45) if i % 4 != 3],
+                               full_attn_layers=[i for i in range(45) if i % 4 == 3]),
+    index_kpool=4,
+    n_routed_experts=288,
+)
+
+_PRESETS = {"mini": _MINI, "small": _SMALL, "bench": _BENCH, "bench-dense": _BENCH_DENSE, "full": _FULL}
 
 
 def preset(name: str) -> dict:
     """A fresh copy of a named config dict (`mini`: the seed fixture; `small`: CPU tests;
-    `bench`, `bench-dense`: GPU benchmarks)."""
+    `bench`, `bench-dense`: GPU benchmarks; `full`: the released model, for memory plans)."""
     if name not in _PRESETS:
         raise ConfigError(f"unknown preset {name!r}: choose one of {sorted(_PRESETS)}")
     return copy.deepcopy(_PRESETS[name])

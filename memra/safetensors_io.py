@@ -9,7 +9,9 @@ KeyError/ValueError/struct.error.
     tensors = read_safetensors("model.safetensors")     # name -> (dtype, shape, array)
     write_safetensors("out.safetensors", {"w": w}, dtype="bfloat16")
 
-BF16 tensors come back as their raw uint16 bits; `bf16_to_f32` widens them exactly.
+BF16 tensors come back as their raw uint16 bits; `bf16_to_f32` widens them exactly. F8_E4M3
+tensors (raw bytes) are read by `read_tensors` for the checkpoint loader, which pairs each with its
+block scales; `read_safetensors` refuses them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from memra.errors import CheckpointError, InputError
 from memra.jsonfile import parse_json
 
 SUPPORTED_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+# FP8 e4m3 reads as its raw bytes, but only the checkpoint loader takes it: a tensor means nothing
+# without its `_scale_inv` sibling (memra/backend/fp8.py), so read_safetensors still refuses it.
+FP8_DTYPES = {"F8_E4M3": np.dtype("u1")}
+READABLE_DTYPES = {**SUPPORTED_DTYPES, **FP8_DTYPES}
 # Bits per element of every dtype the format defines: a file holding one of the unsupported ones is
 # still well-formed, so its byte counts are checked and the caller decides what to do with it.
 DTYPE_BITS = {
@@ -157,13 +163,13 @@ def read_header(path) -> Header:
 
 
 def read_tensors(path, header: Header, names) -> dict[str, np.ndarray]:
-    """Read the named tensors (each of a SUPPORTED_DTYPES dtype) into memory-owning arrays."""
+    """Read the named tensors (each of a READABLE_DTYPES dtype) into memory-owning arrays."""
     out = {}
     try:
         with open(path, "rb") as f:
             for name in names:
                 entry = header.entries[name]
-                dtype = SUPPORTED_DTYPES[entry.dtype]
+                dtype = READABLE_DTYPES[entry.dtype]
                 f.seek(header.data_start + entry.begin)
                 count = (entry.end - entry.begin) // dtype.itemsize
                 # Copies rather than memmaps: a later rewrite of the file cannot pull data from
@@ -180,7 +186,7 @@ def read_tensors(path, header: Header, names) -> dict[str, np.ndarray]:
 # Per readable dtype: the unsigned view, the mask dropping the sign, and the first non-finite
 # pattern (all exponent bits set: inf, then every NaN above it).
 _NONFINITE_BITS = {"F32": (np.uint32, 0x7FFFFFFF, 0x7F800000), "F16": (np.uint16, 0x7FFF, 0x7C00),
-                   "BF16": (np.uint16, 0x7FFF, 0x7F80)}
+                   "BF16": (np.uint16, 0x7FFF, 0x7F80), "F8_E4M3": (np.uint8, 0x7F, 0x7F)}  # e4m3fn: NaN only
 _FINITE_CHUNK = 1 << 18  # elements per pass: the masked copy stays in cache
 
 

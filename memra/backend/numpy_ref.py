@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from memra.safetensors_io import bf16_to_f32
+from memra.backend.fp8 import Fp8Block, NumpyFp8Matrix
 from memra.backend.philox import TAG_DRAW, uniforms
 
 F32 = np.float32
@@ -75,7 +76,9 @@ class NumpyBackend:
     def matrix(self, a: np.ndarray) -> np.ndarray:
         """A projection matrix for linear / head_linear / moe_experts. The reference computes
         in float32 whatever the storage; the CUDA backend keeps bf16 storage and multiplies it on
-        tensor cores with exact bf16 pieces of the float32 activations (kernels_cu/exact_mma.cuh)."""
+        tensor cores with exact bf16 pieces of the activations; FP8 blocks: backend/fp8.py."""
+        if isinstance(a, Fp8Block):
+            return NumpyFp8Matrix.from_block(a)
         return self.weight(a)
 
     def zeros(self, shape, dtype=F32) -> np.ndarray:

@@ -28,6 +28,9 @@
 #ifndef SPLIT_KC
 #define SPLIT_KC 2048
 #endif
+#ifndef FP8_BLOCK
+#define FP8_BLOCK 128
+#endif
 #ifndef VERIFY_CAP
 #define VERIFY_CAP 15
 #endif

@@ -26,6 +26,7 @@ WARPS_PER_BLOCK = MEMRA_BLOCK // 32
 OUTS_PER_WARP = {1: 1, 2: 2, 4: 4, 8: 4, 16: 2}
 BF16_OUTS = 32    # outputs per block of a bf16 (tensor-core) projection or MoE down tile
 SPLIT_KC = 2048   # in-features per split-K slice of a bf16 projection (a size, never a count)
+FP8_BLOCK = 128   # FP8 weights: one scale per FP8_BLOCK x FP8_BLOCK block (the release's weight_block_size)
 
 # hyper.cu
 HC_MAX_N = 8                  # streams: C lives in a local array; hc_weights runs n^2 threads
@@ -52,6 +53,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     **{f"OUTS_PER_WARP_T{t}": o for t, o in OUTS_PER_WARP.items()},
     "BF16_OUTS": BF16_OUTS,
     "SPLIT_KC": SPLIT_KC,
+    "FP8_BLOCK": FP8_BLOCK,
     "VERIFY_CAP": VERIFY_CAP,
     "HC_MAX_N": HC_MAX_N,
     "HC_CHUNK": HC_CHUNK,

@@ -12,6 +12,7 @@
 // to the row alone.
 #include "common.cuh"
 #include "exact_mma.cuh"
+#include "exact_mma_fp8.cuh"
 
 static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
 static_assert(VERIFY_CAP <= 16, "a verify walk's rows take one weight pass (row template t16, bf16 n2)");
@@ -176,6 +177,58 @@ static __device__ void project_bf16(const float* x, const unsigned short* w, flo
     }
 
 PROJECTIONS_BF16(1) PROJECTIONS_BF16(2)
+
+// FP8 weights (e4m3 bytes, scale [ceil(out / FP8_BLOCK), ceil(in / FP8_BLOCK)]): the bf16 tile
+// shape with exact_mma_fp8.cuh's blockwise tile, one byte read per weight. k0: the first in-feature
+// of a split-K slice (a multiple of FP8_BLOCK), so the slice's blocks keep their scale columns.
+static_assert(SPLIT_KC % FP8_BLOCK == 0, "a split-K slice is whole FP8 blocks");
+template <int NT>
+static __device__ void project_fp8(const float* x, const unsigned char* w, const float* scale, float* y,
+                                   int t, int n_in, int n_out, long long k0, long long w_stride) {
+    constexpr int J = BF16_OUTS / 16;
+    __shared__ MmaTile<J, NT> sh;
+    const int g = threadIdx.x % MMA_WARP / 4, o0 = blockIdx.x * BF16_OUTS;
+    const long long n_kb = (w_stride + FP8_BLOCK - 1) / FP8_BLOCK;  // scale columns of the whole row
+    const bool w_aligned = (reinterpret_cast<unsigned long long>(w + k0) % 16) == 0 && w_stride % 16 == 0;
+    const bool x_aligned = (reinterpret_cast<unsigned long long>(x + k0) % 16) == 0 && w_stride % 4 == 0;
+    const unsigned char* wrow[J][2];
+    const float* srow[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        mma_rows_fp8(w + k0, scale, o0 + 16 * j, n_out, w_stride, n_kb, wrow[j], srow[j]);
+        if (srow[j] != nullptr) srow[j] += k0 / FP8_BLOCK;
+    }
+    for (int r0 = 0; r0 < t; r0 += 8 * NT) {  // more than 8 NT rows only in the prime class
+        const int nr = min(8 * NT, t - r0);
+        const float* xrow[NT];
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+            xrow[n] = 8 * n + g < nr ? x + (r0 + 8 * n + g) * w_stride + k0 : nullptr;
+        mma_tile_fp8<J, NT>(wrow, srow, xrow, n_in, w_aligned, x_aligned, sh);
+        for (int i = threadIdx.x; i < BF16_OUTS * nr; i += MMA_THREADS) {
+            const int m = i % BF16_OUTS, n = i / BF16_OUTS;
+            if (o0 + m < n_out) y[(r0 + n) * (long long)n_out + o0 + m] = sh.tile[m][n];
+        }
+    }
+}
+
+// x [t, in] (rows n_in apart), w [out, in] e4m3 -> y [t, out]; grid (ceil(out / BF16_OUTS)), block
+// MMA_THREADS. The split variant: block (o-tile, s) writes slice s into part[s], then linear_split_sum.
+#define PROJECTIONS_FP8(NT)                                                                        \
+    extern "C" __global__ void linear_fp8_n##NT(const float* x, const unsigned char* w,           \
+                                                const float* scale, float* y, int t, int n_in,    \
+                                                int n_out) {                                      \
+        project_fp8<NT>(x, w, scale, y, t, n_in, n_out, 0, n_in);                                  \
+    }                                                                                              \
+    extern "C" __global__ void linear_fp8_split_n##NT(const float* x, const unsigned char* w,     \
+                                                      const float* scale, float* part, int t,     \
+                                                      int n_in, int n_out) {                      \
+        const long long k0 = (long long)blockIdx.y * SPLIT_KC;                                     \
+        project_fp8<NT>(x, w, scale, part + blockIdx.y * (long long)t * n_out, t,                  \
+                        (int)min((long long)SPLIT_KC, n_in - k0), n_out, k0, n_in);                \
+    }
+
+PROJECTIONS_FP8(1) PROJECTIONS_FP8(2)
 
 // y[i] = part[0][i] + part[1][i] + ... + part[splits - 1][i], in that order (grid-stride).
 extern "C" __global__ void linear_split_sum(const float* part, float* y, long long n, int splits) {

@@ -104,6 +104,9 @@ struct MmaTile {
 };
 
 template <int J, int NT>
+static __device__ void mma_tile_reduce(const float (&acc)[J][NT][4], MmaTile<J, NT>& sh);
+
+template <int J, int NT>
 static __device__ void mma_tile(const unsigned short* const (&wrow)[J][2], const float* const (&xrow)[NT],
                                 int n_in, bool w_aligned, bool x_aligned, MmaTile<J, NT>& sh) {
     const int lane = threadIdx.x % MMA_WARP, q = lane % 4, warp = threadIdx.x / MMA_WARP;
@@ -137,6 +140,14 @@ static __device__ void mma_tile(const unsigned short* const (&wrow)[J][2], const
                                  p[piece][2 * s], p[piece][2 * s + 1]);
         }
     }
+    mma_tile_reduce<J, NT>(acc, sh);
+}
+
+// The block's warp partials acc (MMA C layout) into sh.tile, added in warp order (mma_tile and
+// the FP8 tile of exact_mma_fp8.cuh end here). Call with all MMA_THREADS threads of the block.
+template <int J, int NT>
+static __device__ void mma_tile_reduce(const float (&acc)[J][NT][4], MmaTile<J, NT>& sh) {
+    const int lane = threadIdx.x % MMA_WARP, warp = threadIdx.x / MMA_WARP;
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll

@@ -8,6 +8,8 @@
 // float atomics and no order that depends on which other rows exist.
 #include "common.cuh"
 #include "exact_mma.cuh"
+#include "exact_mma_fp8.cuh"
+#include "moe_passes.cuh"
 
 static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
 static_assert(MAX_GROUPS == 64, "moe_route_select keeps the groups in a 64-bit mask, two per lane");
@@ -199,43 +201,6 @@ extern "C" __global__ void moe_down_f32(const float* h, const long long* idx, co
     down(h, idx, dw, y, t, k, I, D);
 }
 
-// The next (row, slot) pairs routed to expert e, scanning idx [t * k] from *cursor in order:
-// up to cap of them into pairs (as r * k + s). Warp 0 scans 32 entries per ballot; call with
-// the whole block; returns the count (0: no more) and moves *cursor past the last one taken.
-static __device__ int next_pairs(const long long* idx, int total, int e, int cap, int* pairs,
-                                 int* shared_count, int* cursor) {
-    __syncthreads();  // the previous pass is done reading pairs
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        int taken = 0, pos = *cursor;
-        while (pos < total && taken < cap) {
-            const int p = pos + lane;
-            const bool hit = p < total && idx[p] == e;
-            const unsigned hits = __ballot_sync(0xffffffffu, hit);
-            const int rank = taken + __popc(hits & ((1u << lane) - 1u));
-            if (hit && rank < cap) pairs[rank] = p;
-            const int room = cap - taken;
-            if (__popc(hits) > room) {  // stop after the room-th hit of this window
-                const unsigned last = __ballot_sync(0xffffffffu, hit && rank == cap - 1);
-                pos = __shfl_sync(0xffffffffu, p, __ffs(last) - 1) + 1;
-                taken = cap;
-            } else {
-                taken += __popc(hits);
-                pos += 32;
-            }
-        }
-        if (lane == 0) {
-            *shared_count = taken;
-            cursor[1] = min(pos, total);
-        }
-    }
-    __syncthreads();
-    const int n = *shared_count;
-    if (threadIdx.x == 0) cursor[0] = cursor[1];
-    __syncthreads();
-    return n;
-}
-
 // The distinct experts that idx [n] routes to, ascending, into list; their number into *count.
 // One block. The bf16 expert kernels run one block row per listed expert, so a decode step
 // launches blocks only for the k experts it reads instead of for all E.
@@ -267,30 +232,6 @@ extern "C" __global__ void moe_expert_list(const long long* idx, int n, int E, i
     if (threadIdx.x == 0) *count = listed;
 }
 
-// The block's passes over the (row, slot) pairs routed to expert e, up to 8 NT at a time: each
-// pair's activation row x + (pair / div) * stride goes through mma_tile against the lane's weight
-// rows wrow, then store(nr, pairs, tile) writes the pass's nr pairs. Call with the whole block.
-template <int J, int NT, typename Store>
-static __device__ void expert_passes(const long long* idx, int total, int e,
-                                     const unsigned short* const (&wrow)[J][2], const float* x,
-                                     int div, long long stride, int n_in, bool w_aligned,
-                                     bool x_aligned, Store store) {
-    __shared__ MmaTile<J, NT> sh;
-    __shared__ int pairs[8 * NT], count, cursor[2];
-    const int g = threadIdx.x % MMA_WARP / 4;
-    if (threadIdx.x == 0) cursor[0] = 0;
-    __syncthreads();
-    int nr;
-    while ((nr = next_pairs(idx, total, e, 8 * NT, pairs, &count, cursor)) > 0) {
-        const float* xrow[NT];
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-            xrow[n] = 8 * n + g < nr ? x + (long long)(pairs[8 * n + g] / div) * stride : nullptr;
-        mma_tile<J, NT>(wrow, xrow, n_in, w_aligned, x_aligned, sh);
-        store(nr, pairs, sh.tile);
-    }
-}
-
 // bf16 experts, tensor cores. gate_up: block (i-tile of GATE_UP_UNITS, listed expert e = list[y]):
 // weight rows 0..15 are gate rows i0.., 16..31 the up rows, so the SwiGLU pairs meet in one tile.
 // down: block (c-tile of BF16_OUTS, listed expert). grid (ceil(I / GATE_UP_UNITS), min(E, t k))
@@ -314,16 +255,11 @@ static __device__ void gate_up_bf16(const float* x, const long long* idx, const 
         wrow[0][hh] = i < I ? gate_w + off : nullptr;
         wrow[1][hh] = i < I ? up_w + off : nullptr;
     }
-    expert_passes<2, NT>(idx, t * k, e, wrow, x, k, D, D, w_aligned, x_aligned,
-                         [&](int nr, const int* pairs, const auto& tile) {
-        for (int j = threadIdx.x; j < GATE_UP_UNITS * nr; j += MMA_THREADS) {
-            const int m = j % GATE_UP_UNITS, n = j / GATE_UP_UNITS;
-            if (i0 + m < I) {
-                const float a = siluf_exact(fminf(tile[m][n], limit));
-                h[(long long)pairs[n] * I + i0 + m] =
-                    a * fminf(fmaxf(tile[GATE_UP_UNITS + m][n], -limit), limit);
-            }
-        }
+    auto mma = [&](const float* const (&xrow)[NT], MmaTile<2, NT>& sh) {
+        mma_tile<2, NT>(wrow, xrow, D, w_aligned, x_aligned, sh);
+    };
+    expert_passes<2, NT>(idx, t * k, e, x, k, D, mma, [&](int nr, const int* pairs, const auto& tile) {
+        store_swiglu(tile, nr, pairs, h, i0, I, limit);
     });
 }
 
@@ -339,12 +275,11 @@ static __device__ void down_bf16(const float* h, const long long* idx, const int
     const unsigned short* wrow[J][2];
 #pragma unroll
     for (int j = 0; j < J; ++j) mma_rows(down_w + (long long)e * D * I, c0 + 16 * j, D, I, wrow[j]);
-    expert_passes<J, NT>(idx, t * k, e, wrow, h, 1, I, I, w_aligned, x_aligned,
-                         [&](int nr, const int* pairs, const auto& tile) {
-        for (int j = threadIdx.x; j < BF16_OUTS * nr; j += MMA_THREADS) {
-            const int m = j % BF16_OUTS, n = j / BF16_OUTS;
-            if (c0 + m < D) y[(long long)pairs[n] * D + c0 + m] = tile[m][n];
-        }
+    auto mma = [&](const float* const (&xrow)[NT], MmaTile<J, NT>& sh) {
+        mma_tile<J, NT>(wrow, xrow, I, w_aligned, x_aligned, sh);
+    };
+    expert_passes<J, NT>(idx, t * k, e, h, 1, I, mma, [&](int nr, const int* pairs, const auto& tile) {
+        store_down(tile, nr, pairs, y, c0, D);
     });
 }
 
@@ -364,6 +299,73 @@ static __device__ void down_bf16(const float* h, const long long* idx, const int
     }
 
 EXPERTS_BF16(1) EXPERTS_BF16(2)
+
+// FP8 experts (e4m3 bytes [E, rows, cols], scales [E, ceil(rows / FP8_BLOCK), ceil(cols / FP8_BLOCK)]):
+// the bf16 expert tiles with exact_mma_fp8.cuh's blockwise tile, one byte read per weight. Same
+// grids; a gate|up tile's 16 units share one scale row (GATE_UP_UNITS divides FP8_BLOCK).
+static_assert(FP8_BLOCK % GATE_UP_UNITS == 0 && FP8_BLOCK % 16 == 0, "a tile's rows share one scale row");
+template <int NT>
+static __device__ void gate_up_fp8(const float* x, const long long* idx, const int* list, const int* listed,
+                                   const unsigned char* gate_w, const float* gate_s, const unsigned char* up_w,
+                                   const float* up_s, float* h, int t, int k, int I, int D, float limit) {
+    if (blockIdx.y >= *listed) return;
+    const int e = list[blockIdx.y], i0 = blockIdx.x * GATE_UP_UNITS;
+    const bool w_aligned = (reinterpret_cast<unsigned long long>(gate_w) % 16) == 0 &&
+                           (reinterpret_cast<unsigned long long>(up_w) % 16) == 0 && D % 16 == 0;
+    const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && D % 4 == 0;
+    const long long rows = (I + FP8_BLOCK - 1) / FP8_BLOCK, cols = (D + FP8_BLOCK - 1) / FP8_BLOCK;
+    const unsigned char* wrow[2][2];
+    const float* srow[2];
+    mma_rows_fp8(gate_w + (long long)e * I * D, gate_s + e * rows * cols, i0, I, D, cols, wrow[0], srow[0]);
+    mma_rows_fp8(up_w + (long long)e * I * D, up_s + e * rows * cols, i0, I, D, cols, wrow[1], srow[1]);
+    // mma_rows_fp8 gives rows i0 + g and i0 + 8 + g: the gate row and the up row of a unit meet in one lane
+    auto mma = [&](const float* const (&xrow)[NT], MmaTile<2, NT>& sh) {
+        mma_tile_fp8<2, NT>(wrow, srow, xrow, D, w_aligned, x_aligned, sh);
+    };
+    expert_passes<2, NT>(idx, t * k, e, x, k, D, mma, [&](int nr, const int* pairs, const auto& tile) {
+        store_swiglu(tile, nr, pairs, h, i0, I, limit);
+    });
+}
+
+template <int NT>
+static __device__ void down_fp8(const float* h, const long long* idx, const int* list, const int* listed,
+                                const unsigned char* down_w, const float* down_s, float* y, int t, int k, int I,
+                                int D) {
+    constexpr int J = BF16_OUTS / 16;
+    if (blockIdx.y >= *listed) return;
+    const int e = list[blockIdx.y], c0 = blockIdx.x * BF16_OUTS;
+    const bool w_aligned = (reinterpret_cast<unsigned long long>(down_w) % 16) == 0 && I % 16 == 0;
+    const bool x_aligned = (reinterpret_cast<unsigned long long>(h) % 16) == 0 && I % 4 == 0;
+    const long long rows = (D + FP8_BLOCK - 1) / FP8_BLOCK, cols = (I + FP8_BLOCK - 1) / FP8_BLOCK;
+    const unsigned char* wrow[J][2];
+    const float* srow[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+        mma_rows_fp8(down_w + (long long)e * D * I, down_s + e * rows * cols, c0 + 16 * j, D, I, cols,
+                     wrow[j], srow[j]);
+    auto mma = [&](const float* const (&xrow)[NT], MmaTile<J, NT>& sh) {
+        mma_tile_fp8<J, NT>(wrow, srow, xrow, I, w_aligned, x_aligned, sh);
+    };
+    expert_passes<J, NT>(idx, t * k, e, h, 1, I, mma, [&](int nr, const int* pairs, const auto& tile) {
+        store_down(tile, nr, pairs, y, c0, D);
+    });
+}
+
+#define EXPERTS_FP8(NT)                                                                            \
+    extern "C" __global__ void moe_gate_up_fp8_n##NT(                                              \
+        const float* x, const long long* idx, const int* list, const int* listed,                  \
+        const unsigned char* gw, const float* gs, const unsigned char* uw, const float* us,        \
+        float* h, int t, int k, int I, int D, float limit) {                                       \
+        gate_up_fp8<NT>(x, idx, list, listed, gw, gs, uw, us, h, t, k, I, D, limit);               \
+    }                                                                                              \
+    extern "C" __global__ void moe_down_fp8_n##NT(const float* h, const long long* idx,            \
+                                                  const int* list, const int* listed,              \
+                                                  const unsigned char* dw, const float* ds,        \
+                                                  float* y, int t, int k, int I, int D) {          \
+        down_fp8<NT>(h, idx, list, listed, dw, ds, y, t, k, I, D);                                 \
+    }
+
+EXPERTS_FP8(1) EXPERTS_FP8(2)
 
 // out[r, c] = sum over the row's slots in order of y[r, s, c] * wt[r, s].
 extern "C" __global__ void moe_combine(const float* y, const float* wts, float* out, int t, int k,

@@ -7,7 +7,7 @@ scores (renormalised, times routed_scaling_factor) and adds the unscaled shared 
 
 from __future__ import annotations
 
-import numpy as np
+from memra.backend.fp8 import stack_weights  # np.stack, FP8 expert blocks included
 
 
 class DenseMlp:
@@ -29,7 +29,7 @@ class Moe:
         self.router = be.weight(w("gate.weight"))
         self.bias = be.weight(w("gate.e_score_correction_bias"))
         experts = range(cfg.n_routed_experts)
-        stack = lambda part: be.matrix(np.stack([w(f"experts.{e}.{part}.weight") for e in experts]))
+        stack = lambda part: be.matrix(stack_weights([w(f"experts.{e}.{part}.weight") for e in experts]))
         self.gate_w, self.up_w, self.down_w = stack("gate_proj"), stack("up_proj"), stack("down_proj")
         self.shared = DenseMlp(be, lambda n: w("shared_experts." + n), cfg.swiglu_limit)
 

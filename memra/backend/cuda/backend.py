@@ -14,6 +14,7 @@ import numpy as np
 import cupy as cp
 
 from memra.backend.cuda.dense import DenseOps
+from memra.backend.cuda.fp8 import DeviceFp8
 from memra.backend.cuda.graphs import WalkGraphs
 from memra.backend.cuda.hyper import HyperOps
 from memra.backend.cuda.kda import KdaOps
@@ -22,6 +23,7 @@ from memra.backend.cuda.moe import MoeOps
 from memra.backend.cuda.norm import NormOps
 from memra.backend.cuda.philox import PhiloxOps
 from memra.backend.cuda.runtime import position
+from memra.backend.fp8 import Fp8Block
 from memra.safetensors_io import bf16_to_f32
 
 
@@ -40,6 +42,12 @@ class CudaBackend(DenseOps, NormOps, HyperOps, KdaOps, MlaOps, MoeOps, PhiloxOps
         except Exception:  # a name is a nicety; never fail a finished run over it
             return "cuda"
 
+    def free_bytes(self) -> int:
+        """Free memory on this device: the driver's free bytes plus what CuPy's pool holds unused
+        (memra.memory plans and checks allocations against it)."""
+        free, _total = cp.cuda.runtime.memGetInfo()
+        return int(free) + int(cp.get_default_memory_pool().free_bytes())
+
     def synchronize(self) -> None:
         cp.cuda.Device().synchronize()
 
@@ -57,7 +65,10 @@ class CudaBackend(DenseOps, NormOps, HyperOps, KdaOps, MlaOps, MoeOps, PhiloxOps
         return cp.asarray(np.ascontiguousarray(host))
 
     def matrix(self, a: np.ndarray):
-        """bf16 (raw uint16) stays bf16 on the device; anything else becomes float32."""
+        """bf16 (raw uint16) stays bf16 on the device, an FP8 block stays e4m3 with its scales
+        (cuda/fp8.py); anything else becomes float32."""
+        if isinstance(a, Fp8Block):
+            return DeviceFp8.upload(a)
         if a.dtype == np.uint16:
             return cp.asarray(np.ascontiguousarray(a))
         return self.weight(a)

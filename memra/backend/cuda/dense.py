@@ -22,6 +22,7 @@ import numpy as np
 
 import cupy as cp
 
+from memra.backend.cuda.fp8 import DeviceFp8
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, check, f32, i32, launch, position, weight_kind
 from memra.errors import InputError
 from memra.kernels_cu.constants import BF16_OUTS, OUTS_PER_WARP, SPLIT_KC, WARPS_PER_BLOCK
@@ -60,6 +61,31 @@ def _elementwise(name: str, inputs: tuple, out, scalars: tuple = ()) -> None:
         launch("dense", name, (grid,), (BLOCK,), (*inputs, out, np.int64(n), *scalars))
 
 
+def _linear_fp8(x, w: DeviceFp8):
+    """The FP8 projection (kernels_cu/exact_mma_fp8.cuh): the bf16 path's tiles, row passes and
+    split-K by shape, each weight one byte, each 128-block partial scaled before it is added."""
+    check(x, cp.float32, "x")
+    n_out, n_in = w.shape
+    assert x.ndim == 2 and x.shape[1] == n_in, f"x: expected [t, {n_in}], got {x.shape}"
+    t = x.shape[0]
+    out = cp.empty((t, n_out), cp.float32)
+    if not (t and n_out):
+        return out
+    suffix, blocks = projection("bf16", t, n_out)
+    rows = suffix.replace("bf16_", "")
+    splits = split_k(t, n_in, n_out)
+    if splits == 1:
+        launch("dense", f"linear_fp8_{rows}", (blocks,), (BLOCK,),
+               (x, w.data, w.scale_inv, out, i32(t), i32(n_in), i32(n_out)))
+        return out
+    part = cp.empty((splits, t, n_out), cp.float32)
+    launch("dense", f"linear_fp8_split_{rows}", (blocks, splits), (BLOCK,),
+           (x, w.data, w.scale_inv, part, i32(t), i32(n_in), i32(n_out)))
+    launch("dense", "linear_split_sum", (min((out.size + BLOCK - 1) // BLOCK, MAX_GRID),), (BLOCK,),
+           (part, out, np.int64(out.size), i32(splits)))
+    return out
+
+
 class DenseOps:
     def embed(self, table, ids):
         """table [vocab, D] (float32 or bf16 bits), ids any int shape (host or device) ->
@@ -84,7 +110,9 @@ class DenseOps:
         return out
 
     def linear(self, x, w):
-        """y[r] = w @ x[r]; x [t, in], w [out, in] (float32 or bf16 bits) -> [t, out]."""
+        """y[r] = w @ x[r]; x [t, in], w [out, in] (float32, bf16 bits or DeviceFp8) -> [t, out]."""
+        if isinstance(w, DeviceFp8):
+            return _linear_fp8(x, w)
         kind = weight_kind(w, "w")
         check(x, cp.float32, "x")
         n_out, n_in = w.shape

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import cupy as cp
 
+from memra.backend.cuda.fp8 import DeviceFp8
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, weight_kind
 from memra.kernels_cu.constants import (BF16_OUTS, GATE_UP_UNITS, MAX_GROUPS, MAX_TOPK,
                                         MOE_MAX_EXPERTS, WARPS_PER_BLOCK)
@@ -54,9 +55,13 @@ class MoeOps:
         check(x, cp.float32, "x")
         check(idx, cp.int64, "idx")
         check(wts, cp.float32, "wts")
-        kind = weight_kind(gate_w, "gate_w")
-        for name, a in (("up_w", up_w), ("down_w", down_w)):
-            check(a, gate_w.dtype, name)
+        if isinstance(gate_w, DeviceFp8):
+            assert isinstance(up_w, DeviceFp8) and isinstance(down_w, DeviceFp8), "FP8 experts: all three stacks"
+            kind = "fp8"
+        else:
+            kind = weight_kind(gate_w, "gate_w")
+            for name, a in (("up_w", up_w), ("down_w", down_w)):
+                check(a, gate_w.dtype, name)
         t, d = x.shape
         e, inter, _ = gate_w.shape
         k = idx.shape[1]
@@ -71,7 +76,9 @@ class MoeOps:
         # zeroed so a slot whose expert id matches no block adds 0 rather than garbage
         h = cp.zeros((t, k, inter), cp.float32)
         y = cp.zeros((t, k, d), cp.float32)
-        if kind == "bf16":  # tensor-core tiles of gate|up units and of outputs; 8 or 16 rows a pass
+        if kind == "fp8":  # the bf16 tiles below, one byte per weight and a scale per 128-block
+            self._experts_fp8(x, idx, gate_w, up_w, down_w, h, y, limit)
+        elif kind == "bf16":  # tensor-core tiles of gate|up units and of outputs; 8 or 16 rows a pass
             # blocks only for the experts the rows route to: their ascending list, made on the device
             assert e <= MOE_MAX_EXPERTS, f"moe_experts: E={e} experts, at most {MOE_MAX_EXPERTS}"
             rows, listed = "n1" if t <= 8 else "n2", min(e, t * k)
@@ -89,3 +96,18 @@ class MoeOps:
         launch("moe", "moe_combine", (blocks_of(t * d),), (BLOCK,),
                (y, wts, out, i32(t), i32(k), i32(d)))
         return out
+
+    @staticmethod
+    def _experts_fp8(x, idx, gate_w, up_w, down_w, h, y, limit: float) -> None:
+        """FP8 experts into h [t, k, I] and y [t, k, D]: blocks for the routed experts only."""
+        (t, d), k = x.shape, idx.shape[1]
+        e, inter, _ = gate_w.shape
+        assert e <= MOE_MAX_EXPERTS, f"moe_experts: E={e} experts, at most {MOE_MAX_EXPERTS}"
+        rows, listed = "n1" if t <= 8 else "n2", min(e, t * k)
+        experts, count = cp.empty(listed, cp.int32), cp.empty(1, cp.int32)
+        launch("moe", "moe_expert_list", (1,), (BLOCK,), (idx, i32(t * k), i32(e), experts, count))
+        launch("moe", f"moe_gate_up_fp8_{rows}", (blocks_of(inter, GATE_UP_UNITS), listed), (BLOCK,),
+               (x, idx, experts, count, gate_w.data, gate_w.scale_inv, up_w.data, up_w.scale_inv, h,
+                i32(t), i32(k), i32(inter), i32(d), f32(limit)))
+        launch("moe", f"moe_down_fp8_{rows}", (blocks_of(d, BF16_OUTS), listed), (BLOCK,),
+               (h, idx, experts, count, down_w.data, down_w.scale_inv, y, i32(t), i32(k), i32(inter), i32(d)))

@@ -1,0 +1,175 @@
+"""FP8 weights on the GPU (kernels_cu/exact_mma_fp8.cuh through dense.cu's linear_fp8_* and
+moe.cu's moe_*_fp8_*), against the numpy twin (memra/backend/fp8.py), in the shared harness:
+
+* numpy gate: linear and moe_experts with FP8 weights match NumpyBackend within the bf16 path's
+  bounds (odd shapes, ragged 128-blocks, split-K, several blocks per warp, t > 16 prime class);
+* row gate: t = 1..15, row r of a t-row call is bit-identical to the row alone, with a red arm
+  (a split count tied to t) that the gate catches while the real op passes;
+* identity gate (FP8 counterpart of the bf16 one): an e4m3 identity with power-of-two block
+  scales returns x * scale bit for bit, so every exact bf16 piece, the widening and the block
+  scale are all in place; red arms: a two-piece activation split, and block 0's scale applied to
+  every block, each caught;
+* the weight bytes are one per weight: DeviceFp8 keeps uint8 data on the device.
+Run on the GPU host: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/fp8/test_cuda_fp8.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.gpu import cupy_or_skip
+
+pytestmark = pytest.mark.gpu
+cp = cupy_or_skip()
+
+from memra.backend.cuda import dense, moe, runtime  # noqa: E402
+from memra.backend.cuda.backend import CudaBackend  # noqa: E402
+from memra.backend.cuda.dense import DenseOps  # noqa: E402
+from memra.backend.cuda.fp8 import DeviceFp8  # noqa: E402
+from memra.backend.cuda.moe import MoeOps  # noqa: E402
+from memra.backend.fp8 import Fp8Block, dequantize, f32_to_e4m3, quantize  # noqa: E402
+from tests.backend.harness import (  # noqa: E402
+    NUMPY, ROWS, OpGates, RedArm, assert_matches_numpy, draw, row_mismatches, split_dot, table)
+from tests.backend.inputs import normal, uniform  # noqa: E402
+
+TOL = {"linear": (1e-4, 1e-5), "moe_experts": (1e-4, 1e-5)}  # the bf16 path's bounds
+
+
+class Fp8Ops(DenseOps, MoeOps):
+    """The ops an FP8 weight reaches, plus the backend's matrix() that uploads it."""
+
+    matrix = CudaBackend.matrix
+    weight = CudaBackend.weight
+
+
+def _fp8(rng, shape, std):
+    # a spread of row magnitudes so the 128-row scale blocks differ
+    return quantize(normal(rng, shape, std) * uniform(rng, (*shape[:-1], 1), 0.2, 5.0))
+
+
+def _make_linear(d_in, d_out):
+    def make(rng, t):
+        return {"x": normal(rng, (t, d_in))}, {"w": _fp8(rng, (d_out, d_in), d_in ** -0.5)}
+    return make
+
+
+def _linear(be, r, s):
+    return be.linear(r["x"], be.matrix(s["w"]))
+
+
+def _experts(e, inter, d, k, limit=10.0):
+    def make(rng, t):
+        idx = np.sort(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), axis=1)
+        rows = {"x": normal(rng, (t, d)), "idx": idx.astype(np.int64), "wts": uniform(rng, (t, k), 0.1, 2.5)}
+        shapes = ((e, inter, d), (e, inter, d), (e, d, inter))
+        mats = [_fp8(rng, shape, shape[-1] ** -0.5) for shape in shapes]
+        return rows, dict(zip(("gate_w", "up_w", "down_w"), mats))
+
+    def call(be, r, s):
+        return be.moe_experts(r["x"], r["idx"], r["wts"], *(be.matrix(s[n]) for n in ("gate_w", "up_w", "down_w")),
+                              limit)
+    return make, call
+
+
+case = table(TOL)
+CASES = [
+    case("linear_fp8", _make_linear(128, 64), _linear),
+    case("linear_fp8_ragged", _make_linear(300, 45), _linear),            # ragged last block, odd outputs
+    case("linear_fp8_blocks", _make_linear(1290, 300), _linear),          # 11 blocks: several per warp, 3 row blocks
+    case("linear_fp8_split_k", _make_linear(4608, 70), _linear),          # split-K: three 2048-wide slices
+    case("moe_experts_fp8", *_experts(4, 64, 128, 2)),
+    case("moe_experts_fp8_odd", *_experts(5, 33, 200, 3, limit=0.75), ts=(1, 7, 11, 15)),
+    case("moe_experts_fp8_wide", *_experts(8, 256, 384, 2)),
+    case("linear_fp8_prime", _make_linear(515, 70), _linear, gates=frozenset({NUMPY}), ts=(37,)),
+]
+
+
+class _SplitByRowCount(Fp8Ops):
+    """The mutation: the dequantized product with its in-axis cut into t interleaved partial sums."""
+
+    def linear(self, x, w):
+        return split_dot(x, cp.asarray(dequantize(Fp8Block(cp.asnumpy(w.data), cp.asnumpy(w.scale_inv)))),
+                         splits=x.shape[0])
+
+
+class TestFp8Ops(OpGates):
+    ops, tol, cases = Fp8Ops, TOL, CASES
+    red_arms = (RedArm("fp8_linear_split_count_tied_to_t", CASES[2], _SplitByRowCount),)
+    ulp_cases = ("linear_fp8", "moe_experts_fp8")
+
+    def test_table_covers_every_op_with_the_numpy_twin_signature(self):
+        assert {c.op for c in self.cases} == set(self.tol) == {"linear", "moe_experts"}
+
+
+def test_device_matrix_reads_one_byte_per_weight():
+    block = quantize(normal(np.random.default_rng(0), (300, 1000)))
+    w = CudaBackend().matrix(block)
+    assert isinstance(w, DeviceFp8) and w.data.dtype == cp.uint8 and w.shape == (300, 1000)
+    assert w.nbytes == 300 * 1000 + 3 * 8 * 4
+
+
+# ---- the identity gate and its red arms -------------------------------------------------------------
+
+def _identity(n, scales):
+    """e4m3 identity [n, n] with the given power-of-two scale per 128-block -> (block, x, want)."""
+    grid = -(-n // 128)
+    scale = np.array([[scales[(i + j) % len(scales)] for j in range(grid)] for i in range(grid)], np.float32)
+    x = normal(np.random.default_rng(5), (15, n)) * np.float32(1e3)
+    want = x * np.repeat(np.diag(scale), 128)[:n]  # output o sees only block (o // 128, o // 128)
+    return Fp8Block(f32_to_e4m3(np.eye(n)), scale), x, want.astype(np.float32)
+
+
+@pytest.mark.parametrize("n", [256, 1029, 4100])  # 4100: split-K into three slices
+def test_fp8_identity_returns_the_scaled_activations_bit_for_bit(n):
+    block, x, want = _identity(n, [1.0, 0.5, 4.0, 0.125])
+    got = cp.asnumpy(Fp8Ops().linear(cp.asarray(x), Fp8Ops().matrix(block)))
+    assert np.array_equal(got, want)
+
+
+def _mutated_launch(monkeypatch, tmp_path, header, exact, broken, family):
+    for src in runtime.kernel_dir().iterdir():
+        if src.name.endswith((".cu", ".cuh")):
+            (tmp_path / src.name).write_text(src.read_text())
+    text = (tmp_path / header).read_text()
+    assert exact in text, f"{header} changed: update the mutation"
+    (tmp_path / header).write_text(text.replace(exact, broken))
+    with monkeypatch.context() as m:
+        m.setattr(runtime, "kernel_dir", lambda: tmp_path)
+        mutated = getattr(runtime.module, "__wrapped__", runtime.module)(family)
+
+    def launch(fam, name, grid, block, args, shared_mem=0):
+        assert fam == family, fam
+        mutated.get_function(name)(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+    return launch
+
+
+MUTATIONS = {
+    "two_piece_split": ("exact_mma.cuh", "bits[2][e] = __float_as_uint(rest - __uint_as_float(mid));",
+                        "bits[2][e] = 0u;"),
+    "one_scale_per_row": ("exact_mma_fp8.cuh", "srow[j] != nullptr ? srow[j][b] : 0.0f",
+                          "srow[j] != nullptr ? srow[j][0] : 0.0f"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_red_arm_the_identity_gate_catches_a_broken_fp8_kernel(monkeypatch, tmp_path, mutation):
+    block, x, want = _identity(1029, [1.0, 0.5, 4.0, 0.125])
+    launch = _mutated_launch(monkeypatch, tmp_path, *MUTATIONS[mutation], "dense")
+    with monkeypatch.context() as m:
+        m.setattr(dense, "launch", launch)
+        got = cp.asnumpy(Fp8Ops().linear(cp.asarray(x), Fp8Ops().matrix(block)))
+    assert not np.array_equal(got, want), f"{mutation}: the mutant still returned x * scale bit for bit"
+    assert np.array_equal(cp.asnumpy(Fp8Ops().linear(cp.asarray(x), Fp8Ops().matrix(block))), want)  # green
+
+
+def test_red_arm_one_scale_per_row_fails_the_expert_numpy_gate(monkeypatch, tmp_path):
+    """The experts share the tile: block 0's scale everywhere misses the twin's bound."""
+    c = next(c for c in CASES if c.name == "moe_experts_fp8_wide")
+    launch = _mutated_launch(monkeypatch, tmp_path, *MUTATIONS["one_scale_per_row"], "moe")
+    with monkeypatch.context() as m:
+        m.setattr(moe, "launch", launch)
+        with pytest.raises(AssertionError):
+            assert_matches_numpy(Fp8Ops(), c, 7)
+    assert_matches_numpy(Fp8Ops(), c, 7)  # green
+    assert row_mismatches(Fp8Ops(), c, *draw(c, ROWS, 15)) == []

@@ -23,10 +23,18 @@ __all__ = ["load_config", "load_model", "generate", "GenerateResult", "SamplingP
            "errors", "hookimpl"]
 
 
-def load_model(path: str | os.PathLike, backend: str = "auto"):
-    """Load a glm5_next checkpoint directory onto a backend ("numpy" | "cuda" | "auto")."""
+def load_model(path: str | os.PathLike, backend: str = "auto", stages: int = 1, stage_layers=None,
+               devices=None):
+    """Load a glm5_next checkpoint directory onto a backend ("numpy" | "cuda" | "auto").
+
+    stages > 1 (or an explicit `stage_layers` split like "0-3,4-7") places the trunk as a
+    pipeline of contiguous layer ranges, by default balanced by weight bytes, stage s on local
+    GPU `devices[s]` (default: GPU s); the outputs are the one-stage model's, bit for bit
+    (docs/pipeline.md). One stage is the plain model."""
     from memra.backend import get_backend
     from memra.checkpoint import load_checkpoint
+    from memra.memory_plan import balanced_split, check_device_fits, checkpoint_weight_bytes
+    from memra.model.stages import plan_stages
     from memra.model.trunk import Glm5Model
 
     if not isinstance(path, (str, os.PathLike)):
@@ -34,4 +42,12 @@ def load_model(path: str | os.PathLike, backend: str = "auto"):
                                 f"{type(path).__name__} {path!r:.40}")
     be = get_backend(backend)
     cfg = load_config(path)
-    return Glm5Model(cfg, load_checkpoint(path, cfg, keep_bf16=True), be)
+    by_bytes = lambda n: balanced_split(checkpoint_weight_bytes(path, cfg), n)  # noqa: E731  the memory plan's split
+    plan = plan_stages(cfg.num_hidden_layers, stages, stage_layers, by_bytes)  # refuses a bad split before loading
+    check_device_fits(path, cfg, be, ranges=plan.ranges)  # the memory plan of this split, before any tensor is read
+    weights = load_checkpoint(path, cfg, keep_bf16=True)
+    if plan.count == 1:
+        return Glm5Model(cfg, weights, be)
+    from memra.model.pipeline import StagedGlm5Model
+
+    return StagedGlm5Model(cfg, weights, be, plan, devices)

@@ -70,13 +70,19 @@ class Glm5Model:
                 f"max_ctx {max_ctx} exceeds the model's max_position_embeddings ({limit}); ask for less"
             )
         check_cache_fits(self.cfg, self.be, int(max_ctx))  # before a byte is allocated
-        cache = Cache(config=self.cfg, max_ctx=int(max_ctx), owner=self, walks=self.be.walks())
-        for layer in self.layers:
+        cache = Cache(config=self.cfg, max_ctx=int(max_ctx), owner=self, walks=self._new_walks())
+        self._new_planes(cache, self.layers)
+        return cache
+
+    def _new_walks(self):
+        return self.be.walks()
+
+    def _new_planes(self, cache: Cache, layers) -> None:
+        for layer in layers:
             if layer.kind == KDA:
                 cache.kda[layer.index] = layer.mixer.new_state()
             else:
                 cache.mla[layer.index] = layer.mixer.new_plane(cache.max_ctx)
-        return cache
 
     # ---- public steps ------------------------------------------------------------------------
     def prime(self, token_ids, cache: Cache) -> np.ndarray:
@@ -140,16 +146,18 @@ class Glm5Model:
                 f"rollback: keep={keep!r} outside 1..={ckpt.rows} (the anchor row is always kept; "
                 "keep = accepted drafts + 1)"
             )
-        keep = int(keep)
-        for layer in self.layers:
+        self._rollback_layers(self.layers, cache, ckpt, int(keep))
+        cache.pos = ckpt.pos + int(keep)
+        ckpt.spent = True
+
+    def _rollback_layers(self, layers, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
+        for layer in layers:
             if layer.kind == KDA:
                 if keep < ckpt.rows:
                     layer.mixer.restore(cache.kda[layer.index], ckpt.kda[layer.index], keep)
             else:
                 plane = cache.mla[layer.index]
                 plane.truncate(ckpt.latent_len[layer.index] + keep, self.cfg.index_kpool)
-        cache.pos = ckpt.pos + keep
-        ckpt.spent = True
 
     def rewind(self, cache: Cache, ckpt: VerifyCkpt) -> None:
         """Put the cache back exactly where `ckpt`'s verify walk found it (cache.pos = ckpt.pos),
@@ -172,15 +180,18 @@ class Glm5Model:
                 f"{cache.pos}{', already rewound' if ckpt.spent and kept == 0 else ''}); rewind once, "
                 "right after its verify_rows or its rollback"
             )
-        for layer in self.layers:
+        self._rewind_layers(self.layers, cache, ckpt)
+        cache.pos = ckpt.pos
+        ckpt.spent = True
+
+    def _rewind_layers(self, layers, cache: Cache, ckpt: VerifyCkpt) -> None:
+        for layer in layers:
             if layer.kind == KDA:
                 st, snap = cache.kda[layer.index], ckpt.kda[layer.index]
                 st.ring[...] = snap["ring"]
                 st.state[...] = snap["state"]
             else:
                 cache.mla[layer.index].truncate(ckpt.latent_len[layer.index], self.cfg.index_kpool)
-        cache.pos = ckpt.pos
-        ckpt.spent = True
 
     # ---- the walk ----------------------------------------------------------------------------
     def forward_rows(self, tokens: np.ndarray, cache: Cache, stash: dict | None = None,
@@ -198,9 +209,7 @@ class Glm5Model:
         be, t = self.be, int(tokens.size)
         cache.check_planes()
         pos0, stashing, tap_layers = cache.pos, stash is not None, tuple(taps or ())
-        walk = lambda tok, at: self._walk(tok, at, cache, stashing, tap_layers)
-        key = (t, stashing, tap_layers) if replay else None
-        logits, collapsed, kda, tapped = cache.walks.run(key, walk, tokens, pos0)
+        logits, collapsed, kda, tapped = self._run_walk(tokens, cache, stashing, tap_layers, replay)
         for plane in cache.mla.values():
             plane.advance(pos0 + t, self.cfg.index_kpool)
         if stashing:
@@ -209,23 +218,38 @@ class Glm5Model:
             taps.update({layer: be.copy(rows) for layer, rows in tapped.items()})
         return logits, collapsed
 
+    def _run_walk(self, tokens, cache: Cache, stashing: bool, tap_layers: tuple, replay: bool):
+        """Run the walk through the cache's runner -> (logits, collapsed, KDA stash, taps)
+        (a pipelined model runs it stage by stage instead: model/pipeline.py)."""
+        walk = lambda tok, at: self._walk(tok, at, cache, stashing, tap_layers)
+        key = (int(tokens.size), stashing, tap_layers) if replay else None
+        return cache.walks.run(key, walk, tokens, cache.pos)
+
     def _walk(self, tokens, at, cache: Cache, stashing: bool, tap_layers: tuple):
         """The device work of a walk, from token ids and the first position (both as the
         backend reads them) -> (logits, collapsed, KDA stash or None, {tap layer: rows})."""
-        be = self.be
-        streams = hyper.expand(be.embed(self.embed_table, tokens), self.cfg.hc_mult)
+        streams = hyper.expand(self.be.embed(self.embed_table, tokens), self.cfg.hc_mult)
         stash = {i: {} for i in cache.kda} if stashing else None
-        selections: dict[int, object] = {}
-        tapped = {}
-        for layer in self.layers:
+        tapped: dict = {}
+        streams = self._walk_layers(self.layers, streams, at, cache, {}, stash, tap_layers, tapped)
+        logits, collapsed = self._head(streams)
+        return logits, collapsed, stash, tapped
+
+    def _walk_layers(self, layers, streams, at, cache: Cache, selections: dict, stash, tap_layers, tapped: dict):
+        """`layers` in order over the streams; fills `selections` (indexer layer -> positions),
+        the KDA `stash` (None: no rollback material) and `tapped` (tap layer -> rows)."""
+        for layer in layers:
             mix = lambda y: self._mix(layer, self._norm(y, layer.in_norm), cache, at, selections, stash)
             streams = layer.attn_site(streams, mix)
             streams = layer.ffn_site(streams, lambda y: layer.ffn(self._norm(y, layer.post_norm)))
             if layer.index in tap_layers:
-                tapped[layer.index] = be.stream_mean(streams)
-        collapsed = be.stream_mean(streams)
-        logits = be.linear(self._norm(collapsed, self.final_norm), self.lm_head)
-        return logits, collapsed, stash, tapped
+                tapped[layer.index] = self.be.stream_mean(streams)
+        return streams
+
+    def _head(self, streams):
+        """Final streams -> (logits, collapsed pre-final-norm rows)."""
+        collapsed = self.be.stream_mean(streams)
+        return self.be.linear(self._norm(collapsed, self.final_norm), self.lm_head), collapsed
 
     def _norm(self, x, w):
         return self.be.rmsnorm(x, w, self.cfg.rms_norm_eps)

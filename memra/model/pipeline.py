@@ -1,0 +1,161 @@
+"""The trunk as a pipeline of stages: the same model, its layers placed on N stages.
+
+    model = load_model(dir, backend="cuda", stages=2)             # balanced by weight bytes
+    model = load_model(dir, backend="cuda", stage_layers="0-2,3-5", devices=[0, 0])
+    model.placement.ranges                                        # ((0, 3), (3, 6))
+
+StagedGlm5Model is a Glm5Model: prime, decode_step, verify_rows, rollback and rewind keep their
+signatures and contracts, so the speculative core and every draft source run on it unchanged.
+What differs is where things live and how a walk runs:
+* stage s owns placement.layers(s): their weights, KDA states and rings, latent planes and pool
+  keys are made on its device; the embedding is on the first stage; the final norm, the lm head,
+  the MTP block (and the embedding copy it and the draft sources read) on the last, whose device
+  is made current at load (draft sources, sampling and host copies run there).
+* a walk runs stage by stage, each stage inside its lane (device + stream) through its own walk
+  runner (on CUDA: its own captured graphs); the t rows' mHC streams, the taps so far and the
+  shared indexer selections later stages need cross each cut through the transport.
+* rollback, rewind and cache creation touch each stage's planes inside that stage's lane.
+Every stage runs the very ops of the unsplit walk on the very inputs, in the same order, so the
+logits, collapsed rows and taps equal the unsplit model's bit for bit (tests/pipeline/).
+"""
+
+from __future__ import annotations
+
+from memra.config import DSA, KDA
+from memra.errors import InputError
+from memra.model import hyper
+from memra.model.mtp import MtpBlock
+from memra.model.stages import StagePlan
+from memra.model.transport import Boundary, InProcessTransport, lanes_for
+from memra.model.trunk import Glm5Model, TrunkLayer
+
+
+class StageWalks:
+    """A cache's walk runners, one per stage (each captures its own graphs on CUDA)."""
+
+    def __init__(self, runners):
+        self.stages = tuple(runners)
+
+    @property
+    def enabled(self) -> bool:
+        return all(r.enabled for r in self.stages)
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        for r in self.stages:
+            r.enabled = on
+
+
+class StagedGlm5Model(Glm5Model):
+    def __init__(self, cfg, weights: dict, backend, plan: StagePlan, devices=None, transport=None):
+        if plan.num_layers != cfg.num_hidden_layers:
+            raise InputError(f"the stage plan covers {plan.num_layers} layers but the model has "
+                             f"{cfg.num_hidden_layers}; plan the stages for this config")
+        devices = tuple(range(plan.count)) if devices is None else tuple(devices)
+        if len(devices) != plan.count:
+            raise InputError(f"{len(devices)} stage devices {list(devices)} for {plan.count} stages; give one "
+                             "device per stage")
+        self.cfg, self.be, self.placement = cfg, backend, plan
+        self.lanes = lanes_for(backend, devices)
+        self.transport = InProcessTransport(self.lanes) if transport is None else transport
+        be, last = backend, plan.count - 1
+        with self.lanes.scope(0):
+            self.first_embed = be.weight(weights["embed_tokens.weight"])
+        self.stage_layers = []
+        for s in range(plan.count):
+            with self.lanes.scope(s):
+                self.stage_layers.append([TrunkLayer(be, weights, cfg, i) for i in plan.layers(s)])
+        self.layers = [layer for stage in self.stage_layers for layer in stage]
+        with self.lanes.scope(last):
+            same = self.lanes.devices[0] == self.lanes.devices[last]
+            self.embed_table = self.first_embed if same else be.weight(weights["embed_tokens.weight"])
+            head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+            self.lm_head = be.matrix(weights[head])
+            self.final_norm = be.weight(weights["norm.weight"])
+            self.mtp = MtpBlock(be, weights, cfg, self.embed_table, self.lm_head) if cfg.has_mtp else None
+        self.lanes.make_current(last)
+        self.selections_in, self.selections_out = _selection_routes(cfg, plan)
+
+    def on_stage(self, stage: int):
+        """A context in which work on stage `stage`'s planes runs where that stage runs (its
+        device and stream), ordered with the walks: for callers that touch planes directly."""
+        return self.lanes.scope(stage)
+
+    # ---- seams of Glm5Model: every stage's planes, runners and rollback in its own lane ------
+    def _new_walks(self):
+        return StageWalks(self.be.walks() for _ in range(self.placement.count))
+
+    def _new_planes(self, cache, layers) -> None:
+        self._by_stage(layers, lambda part: super(StagedGlm5Model, self)._new_planes(cache, part))
+
+    def _rollback_layers(self, layers, cache, ckpt, keep: int) -> None:
+        self._by_stage(layers, lambda part: super(StagedGlm5Model, self)._rollback_layers(part, cache, ckpt, keep))
+
+    def _rewind_layers(self, layers, cache, ckpt) -> None:
+        self._by_stage(layers, lambda part: super(StagedGlm5Model, self)._rewind_layers(part, cache, ckpt))
+
+    def _by_stage(self, layers, fn) -> None:
+        for s in range(self.placement.count):
+            part = [layer for layer in layers if self.placement.stage_of(layer.index) == s]
+            if part:
+                with self.lanes.scope(s):
+                    fn(part)
+
+    # ---- the staged walk ---------------------------------------------------------------------
+    def _run_walk(self, tokens, cache, stashing: bool, tap_layers: tuple, replay: bool):
+        """Stage by stage: stage s replays its own walk shape (key as the unsplit walk's) on the
+        boundary it received, and sends the next one on. Returns what the unsplit walk returns."""
+        last, pos0 = self.placement.count - 1, cache.pos
+        key = (int(tokens.size), stashing, tap_layers) if replay else None
+        kda: dict = {}
+        received = Boundary(None)
+        for s in range(last + 1):
+            with self.lanes.scope(s):
+                if s:
+                    received = self.transport.recv(s)
+                arrays = () if s == 0 else (received.streams, *(received.selections[i] for i in self.selections_in[s]))
+                walk = lambda tok, at, *inputs, s=s: self._stage_walk(s, tok, at, inputs, cache, stashing, tap_layers)
+                out, stash, tapped, selected = cache.walks.stages[s].run(key, walk, tokens, pos0, *arrays)
+                kda.update(stash or {})
+                taps = {**received.taps, **tapped}
+                if s < last:
+                    ahead = {**received.selections, **selected}
+                    self.transport.send(s, Boundary(out, taps, {i: ahead[i] for i in self.selections_out[s]}))
+        logits, collapsed = out
+        return logits, collapsed, (kda if stashing else None), taps
+
+    def _stage_walk(self, s: int, tokens, at, inputs: tuple, cache, stashing: bool, tap_layers: tuple):
+        """Stage s's device work -> (streams, or (logits, collapsed) on the last stage; its KDA
+        stash; its taps; the selections of its indexer layers that later stages read)."""
+        layers = self.stage_layers[s]
+        if s == 0:
+            streams = hyper.expand(self.be.embed(self.first_embed, tokens), self.cfg.hc_mult)
+        else:
+            streams = inputs[0]
+        selections = dict(zip(self.selections_in[s], inputs[1:]))
+        stash = {layer.index: {} for layer in layers if layer.kind == KDA} if stashing else None
+        tapped: dict = {}
+        streams = self._walk_layers(layers, streams, at, cache, selections, stash, tap_layers, tapped)
+        out = self._head(streams) if s == self.placement.count - 1 else streams
+        start = self.placement.ranges[s][0]
+        selected = {i: selections[i] for i in self.selections_out[s] if i >= start}
+        return out, stash, tapped, selected
+
+
+def _selection_routes(cfg, plan: StagePlan) -> tuple[list[tuple], list[tuple]]:
+    """(per stage: the indexer layers of earlier stages whose selections it reads, in order;
+    per cut s: the selections that cross it, i.e. made on stages <= s, read on stages > s).
+    A `shared` indexer layer reads the selection of the last full one before it, which a cut
+    may put on an earlier stage."""
+    reads_in = [set() for _ in range(plan.count)]
+    crosses = [set() for _ in range(plan.count)]
+    for layer in range(cfg.num_hidden_layers):
+        if cfg.layer_types[layer] != DSA:
+            continue
+        source = cfg.indexer_source(layer)
+        made, read = plan.stage_of(source), plan.stage_of(layer)
+        if made < read:
+            reads_in[read].add(source)
+            for cut in range(made, read):
+                crosses[cut].add(source)
+    return [tuple(sorted(r)) for r in reads_in], [tuple(sorted(c)) for c in crosses]

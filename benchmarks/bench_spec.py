@@ -3,6 +3,7 @@ and against the analytic bound.
 
     python benchmarks/bench_spec.py --preset bench --backend cuda --git-sha SHA \
         [--out F] [--steps 32] [--context 512] [--alphas 0.5,0.7,0.9,1.0] [--ks 1,3,5,7] [--reps 10]
+        [--profile ACCEPT.json]
 
 Greedy only. After a --context-token prompt: the plain greedy tape and plain tokens/s; for each K
 the verify time of K+1 rows (median of --reps walks, each rewound) and the real per-round draft
@@ -14,12 +15,16 @@ cache captures its verify walk), then --steps tokens timed. Its output must equa
 or the run fails. Reported: tokens/s, rounds, mean accepted per round, speedup vs plain; the bound
 E[tokens/round] / round time with E = (1 - alpha^(K+1)) / (1 - alpha) (K + 1 at alpha = 1) and
 round time = verify(K+1) + draft cost, and the fraction achieved; and, per real source, tokens/s
-with its draft cost added per round: tokens / (spec time + rounds * draft_ms). Prints a card on
-stderr and ONE JSON line on stdout.
+with its draft cost added per round: tokens / (spec time + rounds * draft_ms). With --profile (a
+bench_accept record), each of its greedy (source, K) results runs too, the tape corrupted at
+position j with 1 - the measured conditional acceptance there and costed with that source's own
+draft cost: the speedup a model with that acceptance would see. Prints a card on stderr and ONE
+JSON line on stdout.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from functools import partial
@@ -61,19 +66,24 @@ class TapeSource:
     max_k = MAX_K
     tap_layers: tuple[int, ...] = ()
 
-    def __init__(self, tape: list[int], alpha: float, vocab: int, seed: int):
-        self.tape, self.alpha, self.vocab, self.seed = tape, alpha, vocab, seed
+    def __init__(self, tape: list[int], alpha, vocab: int, seed: int):
+        # alpha: one rate for every position, or a measured profile (the conditional acceptance
+        # at positions 1, 2, ...: a draft survives at j given every draft before it did)
+        scalar = np.isscalar(alpha)
+        self.alphas = np.asarray([alpha] * MAX_K if scalar else list(alpha), dtype=np.float64)
+        self.key = [round(alpha * 1000)] if scalar else [round(a * 1000) for a in alpha]
+        self.tape, self.vocab, self.seed = tape, vocab, seed
 
     def begin(self, start):
         if start.anchor != self.tape[0]:
             raise MemraError(f"the session's first token {start.anchor} is not the tape's {self.tape[0]}: "
                              "prime the session on the tape's own prompt")
-        self.pos, self.rng = 0, np.random.default_rng([self.seed, round(self.alpha * 1000)])
+        self.pos, self.rng = 0, np.random.default_rng([self.seed, *self.key])
         return self
 
     def propose(self, k: int, sampling=None) -> Proposal:
         drafts = self.tape[self.pos + 1:self.pos + 1 + k]
-        keep = self.rng.random(len(drafts)) < self.alpha
+        keep = self.rng.random(len(drafts)) < self.alphas[:len(drafts)]
         other = (np.asarray(drafts) + self.rng.integers(1, self.vocab, len(drafts))) % self.vocab
         return Proposal(tokens=[int(t) for t in np.where(keep, drafts, other)])
 
@@ -142,9 +152,23 @@ def draft_costs(model, prompt, tape: list[int], args) -> tuple[dict, dict]:
     return costs, reasons
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """E[tokens per round] when each draft survives independently with probability alpha."""
-    return float(k + 1) if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+def expected_tokens(alpha, k: int) -> float:
+    """E[tokens per round] when each draft survives independently with probability alpha, or,
+    for a profile, survives at position j with its conditional rate alpha[j]."""
+    rates = [alpha] * k if np.isscalar(alpha) else list(alpha)[:k]
+    return float(1 + sum(np.prod(rates[:j + 1]) for j in range(k)))
+
+
+def profile_points(path: str, ks: list[int]) -> list[tuple[str, int, list[float]]]:
+    """(source, K, conditional acceptance per position) for every greedy result of a bench_accept
+    record whose source this benchmark can cost and whose K it runs."""
+    with open(path, encoding="utf-8") as f:
+        record = json.loads(f.readline())
+    out = []
+    for r in record["results"]:
+        if r["mode"] == "greedy" and r["source"] in DRAFT_SOURCES and r["k"] in ks:
+            out.append((r["source"], r["k"], [c if c is not None else 0.0 for c in r["conditional"]]))
+    return out
 
 
 def point(model, prompt, tape, alpha, k, verify_ms, costs, plain_tps, args) -> dict:
@@ -182,7 +206,8 @@ def card(record: dict) -> list[str]:
     for r in record["spec"]:
         costs = "".join(f"  {n} {c['tokens_per_s']:8.1f} tok/s x{c['speedup_vs_plain']:4.2f}"
                         for n, c in r["with_draft_cost"].items() if c is not None)
-        lines.append(f"  alpha={r['alpha']:.2f} K={r['k']}  {r['tokens_per_s']:8.1f} tok/s x{r['speedup_vs_plain']:4.2f} "
+        alpha = f"{r['alpha']:.2f}" if np.isscalar(r["alpha"]) else f"{r['profile']} profile"
+        lines.append(f"  alpha={alpha} K={r['k']}  {r['tokens_per_s']:8.1f} tok/s x{r['speedup_vs_plain']:4.2f} "
                      f"plain  accepted/round {r['mean_accepted_per_round']:4.2f}  bound {r['bound_tokens_per_s']:8.1f} "
                      f"({100 * r['fraction_of_bound']:5.1f}%){costs}")
     return lines
@@ -195,8 +220,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", type=lambda s: [int(k) for k in s.split(",")], default=[1, 3, 5, 7],
                     help=f"drafts per round, each in 1..{MAX_K}")
     ap.add_argument("--reps", type=int, default=10, help="timed verify walks per K")
+    ap.add_argument("--profile", help="a bench_accept JSON record: also run each of its greedy (source, K) "
+                    "acceptance profiles, costed with that source's own draft cost")
     args = ap.parse_args(argv)
-    model = build_model(args.preset, args.backend, args.seed)
+    model = build_model(args.preset, args.backend, args.seed, args.dtype)
     # the tape covers a burst's overshoot (up to K tokens past --steps) so drafts never run out
     room = WARMUP_STEPS + args.steps + (GRAPH_ROUNDS + 1) * (max(args.ks) + 1)
     cache, anchor = prime_context(model, args.context, room, args.seed)
@@ -211,7 +238,11 @@ def main(argv=None) -> int:
     costs, reasons = draft_costs(model, prompt, tape, args)
     spec = [point(model, prompt, tape, a, k, verify[k], costs, plain["tokens_per_s"], args)
             for k in args.ks for a in args.alphas]
-    config = model_config(args, model, alphas=args.alphas, ks=args.ks, reps=args.reps,
+    for source, k, rates in profile_points(args.profile, args.ks) if args.profile else ():
+        measured = point(model, prompt, tape, rates, k, verify[k], {source: costs.get(source)},
+                         plain["tokens_per_s"], args)
+        spec.append(measured | {"profile": source})
+    config = model_config(args, model, alphas=args.alphas, ks=args.ks, reps=args.reps, profile=args.profile,
                           dflash2_drafter="write_fixture_drafter defaults (2 layers, block 8) for the preset")
     record = record_header("bench_spec", args.git_sha, config, model.be) | {
         "plain": plain, "verify_ms": {str(k): v for k, v in verify.items()}, "draft_ms": costs,

@@ -7,22 +7,28 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+TEXT_PROMPT = "The quick brown fox"     # 19 tokens on a byte-level (vocab 256) checkpoint
+PROMPT_FLAGS = ("--prompt", "--prompt-file", "--prompt-ids")
 
 
-def run_cli(*args, cache=None, stdin=None, timeout=120, env=None) -> subprocess.CompletedProcess:
-    """The CLI with `args`; the demo lives under `cache` (XDG_CACHE_HOME), never the user's own.
-
-    stdout/stderr come back as str decoded from UTF-8 with no newline translation (a generated
-    '\\r' stays a '\\r')."""
+def run_cli(*args, stdin=None, timeout=120, env=None) -> subprocess.CompletedProcess:
+    """The CLI with `args`. stdout/stderr come back as str decoded from UTF-8 with no newline
+    translation (a generated '\\r' stays a '\\r')."""
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": "utf-8", **(env or {})}
-    if cache is not None:
-        environ["XDG_CACHE_HOME"] = str(cache)
     proc = subprocess.run([sys.executable, "-m", "memra.run", *map(str, args)], cwd=ROOT, env=environ,
                           input=None if stdin is None else stdin.encode(), capture_output=True, timeout=timeout,
                           check=False)
     proc.stdout = proc.stdout.decode("utf-8")
     proc.stderr = proc.stderr.decode("utf-8", errors="replace")
     return proc
+
+
+def run_on(checkpoint, *args, **kw) -> subprocess.CompletedProcess:
+    """run_cli on `checkpoint` (the CLI mechanics tests use a small random one, not the demo, so
+    they are fast and do not depend on the demo's weights), prompted with TEXT_PROMPT unless
+    `args` name a prompt."""
+    prompt = () if set(PROMPT_FLAGS) & set(map(str, args)) else ("--prompt", TEXT_PROMPT)
+    return run_cli("--checkpoint", checkpoint, *prompt, *args, **kw)
 
 
 def ok_json(proc: subprocess.CompletedProcess) -> dict:

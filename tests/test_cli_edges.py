@@ -7,7 +7,6 @@ in argv or stdin, or a descriptor closed before Python starts.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -19,16 +18,13 @@ from cli_helpers import ROOT, run_cli
 
 from memra.checkpoint import write_fixture
 from memra.cli import main as cli_main
-from memra.cli.inputs import demo_dir
 from memra.config import preset
 from memra.errors import InputError
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cache")
-    demo_dir(str(root / "memra" / "demo"), err=io.StringIO())
-    return root
+def small(fixture_dir):
+    return fixture_dir("small")
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +33,11 @@ def ckpt(tmp_path_factory):
     return write_fixture(tmp_path_factory.mktemp("ckpt"), cfg, seed=1)
 
 
-def raw_cli(*args, cache=None, stdin: bytes | None = None, close: tuple = ()) -> subprocess.CompletedProcess:
+def raw_cli(*args, stdin: bytes | None = None, close: tuple = ()) -> subprocess.CompletedProcess:
     """The CLI with argv as given (bytes allowed), stdin as bytes, and the descriptors in `close`
     closed before the interpreter starts."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PYTHONIOENCODING", None)
-    if cache is not None:
-        env["XDG_CACHE_HOME"] = str(cache)
     closer = (lambda: [os.close(fd) for fd in close]) if close else None
     return subprocess.run([sys.executable, "-m", "memra.run", *args], cwd=ROOT, env=env, input=stdin,
                           capture_output=not close, stdout=subprocess.PIPE if close else None,
@@ -61,25 +55,25 @@ def refused(proc, needle: str) -> str:
 
 @pytest.mark.parametrize("args, needle", [
     ([b"--prompt", b"\xff\xfe hi"], "--prompt holds bytes that are not UTF-8"),
-    ([b"--checkpoint", b"/tmp/\xff-no-such-dir"], "no such directory"),
-    ([b"--draft", b"\xff"], "unknown draft source"),
-    ([b"--draft-option", b"\xff=1"], "unknown options"),
+    ([b"--prompt-ids", b"1,2,3", b"--checkpoint", b"/tmp/\xff-no-such-dir"], "no such directory"),  # the last wins
+    ([b"--prompt-ids", b"1,2,3", b"--draft", b"\xff"], "unknown draft source"),
+    ([b"--prompt-ids", b"1,2,3", b"--draft-option", b"\xff=1"], "unknown options"),
 ], ids=["prompt", "checkpoint", "draft", "draft-option"])
-def test_non_utf8_argv_is_one_line(cache, args, needle):
-    refused(raw_cli(*args, b"-n", b"2", cache=cache), needle)
+def test_non_utf8_argv_is_one_line(small, args, needle):
+    refused(raw_cli("--checkpoint", small, *args, b"-n", b"2"), needle)
 
 
-def test_non_utf8_stdin_is_one_line(cache):
-    refused(raw_cli("--prompt", "-", "-n", "2", cache=cache, stdin=b"\xff\xfe hello"), "stdin is not UTF-8")
+def test_non_utf8_stdin_is_one_line(small):
+    refused(raw_cli("--checkpoint", small, "--prompt", "-", "-n", "2", stdin=b"\xff\xfe hello"), "stdin is not UTF-8")
 
 
-def test_closed_stdin_with_prompt_dash_is_one_line(cache):
-    refused(raw_cli("--prompt", "-", "-n", "2", cache=cache, close=(0,)), "stdin is closed")
+def test_closed_stdin_with_prompt_dash_is_one_line(small):
+    refused(raw_cli("--checkpoint", small, "--prompt", "-", "-n", "2", close=(0,)), "stdin is closed")
 
 
 @pytest.mark.parametrize("args", [["--prompt-ids", "1,2,3", "-n", "2"], ["--list-drafters"]])
-def test_closed_stdout_is_one_line(cache, args):
-    refused(raw_cli(*args, cache=cache, close=(1,)), "stdout is closed")
+def test_closed_stdout_is_one_line(small, args):
+    refused(raw_cli("--checkpoint", small, *args, close=(1,)), "stdout is closed")
 
 
 @pytest.mark.parametrize("file", ["config.json", "generation_config.json"])
@@ -100,16 +94,6 @@ def test_a_contract_breaking_checkpoint_is_one_line_and_debug_lists_every_offend
     assert proc.returncode == 2 and "Traceback" in proc.stderr
     assert proc.stderr.count("  wrong shape: ") == total  # every offender, one per line
     assert proc.stderr.splitlines()[-1].startswith("memra: checkpoint ")
-
-
-@pytest.mark.parametrize("where", ["a file", "under a file"])
-def test_a_demo_dir_that_is_a_file_is_refused_before_anything_prints(tmp_path, where):
-    file = tmp_path / "demo"
-    file.write_text("not a directory")
-    target = file if where == "a file" else file / "sub"
-    proc = run_cli("--demo-dir", target, "-n", "2", cache=tmp_path / "cache")
-    refused(proc, f"{file} is a file, not a directory")
-    assert proc.stdout == "" and file.read_text() == "not a directory"
 
 
 @pytest.mark.parametrize("key, value, needle", [
@@ -136,18 +120,17 @@ def test_a_multi_line_refusal_is_printed_on_one_line(monkeypatch, capsys):
     assert err == "memra: first line | second line | third\n"
 
 
-def test_max_ctx_past_what_memory_holds_is_refused_with_the_number_that_fits(cache, monkeypatch, capsys):
+def test_max_ctx_past_what_memory_holds_is_refused_with_the_number_that_fits(small, monkeypatch, capsys):
     """The CLI sizes the context by memra.memory.context_limit: memory, when it is the tighter bound."""
     from memra import memory
     from memra.config import ModelConfig
 
     per_pos, fixed = memory.cache_bytes(ModelConfig.from_dict(preset("small")))
     monkeypatch.setattr(memory, "free_bytes", lambda be: fixed + per_pos * 100)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    assert cli_main.main(["--max-ctx", "200", "--prompt-ids", "1,2,3", "-n", "2"]) == 2
+    assert cli_main.main(["--checkpoint", small, "--max-ctx", "200", "--prompt-ids", "1,2,3", "-n", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("memra: --max-ctx 200 is past the cache that fits in the") and err.count("\n") == 1
     assert "(100): give at most 100" in err
-    assert cli_main.main(["--prompt-ids", "1,2,3", "-n", "1000", "--json"]) == 0
+    assert cli_main.main(["--checkpoint", small, "--prompt-ids", "1,2,3", "-n", "1000", "--json"]) == 0
     out, err = capsys.readouterr()
     assert "--max-new-tokens 1000 lowered to 75" in err and json.loads(out.splitlines()[-1])["new_tokens"] <= 75

@@ -1,24 +1,20 @@
 """Every refusal of `python -m memra.run` is ONE stderr line `memra: <problem and fix>`, exit status 2, and
-no traceback (unless --debug asks for one)."""
+no traceback (unless --debug asks for one). The flag refusals run on a small random checkpoint
+(byte-level vocab 256, context 4096, prompt TEXT_PROMPT of 19 tokens unless a case gives its own)."""
 
-import io
 import json
 import shutil
 
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import run_cli, run_on
 
 from memra.checkpoint import write_fixture
-from memra.cli.inputs import demo_dir
 from memra.config import preset
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """A user cache holding the demo model (written here, in-process, to save a subprocess)."""
-    root = tmp_path_factory.mktemp("cache")
-    demo_dir(str(root / "memra" / "demo"), err=io.StringIO())
-    return root
+def ckpt(fixture_dir):
+    return fixture_dir("small")
 
 
 @pytest.fixture(scope="module")
@@ -61,22 +57,22 @@ CASES = [
 
 
 @pytest.mark.parametrize("flags, message", CASES, ids=lambda v: " ".join(v)[:40] if isinstance(v, list) else None)
-def test_each_refusal_is_one_line_and_exit_2(cache, flags, message):
+def test_each_refusal_is_one_line_and_exit_2(ckpt, flags, message):
     if flags == ["--backend", "cuda"]:
         from memra.backend import cuda_available
 
         if cuda_available():
             pytest.skip("a CUDA GPU is usable here")
         message = "backend='cuda' needs CuPy and a CUDA GPU"
-    proc = run_cli(*flags, "-n", 2, cache=cache)
+    proc = run_on(ckpt, *flags, "-n", 2)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert proc.stderr.startswith("memra: ") and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert proc.stdout == ""
 
 
-def test_debug_shows_the_traceback(cache):
-    proc = run_cli("--draft", "nope", "--debug", cache=cache)
+def test_debug_shows_the_traceback(ckpt):
+    proc = run_on(ckpt, "--draft", "nope", "--debug")
     assert proc.returncode == 2 and "Traceback" in proc.stderr and "unknown draft source" in proc.stderr
 
 

@@ -1,5 +1,7 @@
-"""`python -m memra.run` end to end, in a subprocess: the demo on a fresh cache, the JSON record,
-speculative == plain greedy for every built-in draft source, seeded sampling, --list-drafters, Ctrl-C."""
+"""`python -m memra.run` end to end, in a subprocess, on a small random checkpoint (byte-level vocab
+256, so text round-trips and nothing depends on trained weights): the summary, the JSON record,
+speculative == plain greedy for every built-in draft source, seeded sampling, --list-drafters,
+Ctrl-C. The demo model memra ships has its own tests: tests/test_cli_demo.py."""
 
 import os
 import signal
@@ -7,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from cli_helpers import ROOT, as_printed, ok_json, run_cli, streamed
+from cli_helpers import ROOT, TEXT_PROMPT, as_printed, ok_json, run_cli, run_on, streamed
 
 from memra.cli.output import JSON_KEYS
 from memra.config import preset
@@ -17,30 +19,20 @@ N = 12
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """A user cache with the demo already written (by the CLI itself, on its first run)."""
-    root = tmp_path_factory.mktemp("cache")
-    first = run_cli("--max-new-tokens", 2, cache=root)
-    assert first.returncode == 0, first.stderr
-    assert "first run: writing the demo model" in first.stderr
-    assert (root / "memra" / "demo" / "small-seed0" / "model.safetensors").exists()
-    return root
+def ckpt(fixture_dir):
+    """The `small` preset, seed 0: an MTP block, so native-mtp is the default draft."""
+    return fixture_dir("small")
 
 
-def test_the_demo_reuses_its_model_and_runs_speculative_with_an_honest_summary(cache):
-    proc = run_cli("--max-new-tokens", N, cache=cache)
-    assert proc.returncode == 0, proc.stderr
-    assert "writing the demo model" not in proc.stderr
-    assert "draft native-mtp, K=4" in proc.stderr and "acceptance: mean length" in proc.stderr
-    assert "random weights: acceptance is not meaningful" in proc.stderr
-    assert proc.stdout.endswith("\n") and len(proc.stdout) > 1
-
-
-def test_json_is_the_last_stdout_line_with_exactly_the_documented_keys(cache):
-    rec = ok_json(run_cli("--max-new-tokens", N, "--json", cache=cache))
+def test_a_run_summarises_on_stderr_and_ends_stdout_with_the_documented_json(ckpt):
+    proc = run_on(ckpt, "--max-new-tokens", N, "--json", "--ignore-eos")
+    rec = ok_json(proc)
+    assert proc.stderr.startswith(f"memra: {ckpt}\n") and "demo" not in proc.stderr
+    assert "draft native-mtp, K=4 (default: the model has an MTP block)" in proc.stderr
+    assert "acceptance: mean length" in proc.stderr
     assert tuple(rec) == JSON_KEYS
     assert rec["new_tokens"] == len(rec["tokens"]) == N
-    assert rec["prompt_tokens"] == len(b"The quick brown fox")
+    assert rec["prompt_tokens"] == len(TEXT_PROMPT.encode())
     assert rec["draft"] == "native-mtp" and rec["num_draft_tokens_k"] == 4
     assert rec["backend"] in ("numpy", "cuda") and (rec["device"] == "cpu") == (rec["backend"] == "numpy")
     assert rec["seed"] is None
@@ -52,33 +44,38 @@ def test_json_is_the_last_stdout_line_with_exactly_the_documented_keys(cache):
     assert all(isinstance(t, int) and 0 <= t < 256 for t in rec["tokens"])
 
 
-def test_streamed_text_is_the_decoded_tokens(cache):
-    proc = run_cli("--max-new-tokens", 40, "--json", "--draft", "none", cache=cache)
-    rec = ok_json(proc)
-    assert streamed(proc) == as_printed(ByteTokenizer().decode(rec["tokens"]))
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    """One plain greedy run (a non-ASCII prompt): the tape every speculative run below must equal."""
+    return run_on(ckpt, "-n", 24, "--json", "--draft", "none", "--prompt", "héllo, wörld")
+
+
+def test_streamed_text_is_the_decoded_tokens(plain):
+    rec = ok_json(plain)
+    assert streamed(plain) == as_printed(ByteTokenizer().decode(rec["tokens"]))
     assert rec["draft"] is None and rec["num_draft_tokens_k"] is None and rec["mean_acceptance_length"] is None
 
 
-def _builtin_drafts(tmp_path):
-    """(name, extra flags) for every built-in source that can run on the demo model."""
-    yield "native-mtp", ()
+@pytest.fixture(scope="module")
+def builtin_drafts(tmp_path_factory):
+    """(name, extra flags) for every built-in source that can run on the `small` checkpoint."""
+    drafts = [("native-mtp", ())]
     try:
         from memra.drafters.dflash2 import write_fixture_drafter
     except ImportError:
-        return
-    path = write_fixture_drafter(tmp_path / "dflash2", preset("small"), seed=0)
-    yield "dflash2", ("--draft-option", f"path={path}")
+        return drafts
+    path = write_fixture_drafter(tmp_path_factory.mktemp("dflash2"), preset("small"), seed=0)
+    return drafts + [("dflash2", ("--draft-option", f"path={path}"))]
 
 
 @pytest.mark.parametrize("k", [1, 4, 7])
-def test_greedy_speculative_tokens_equal_plain_for_every_builtin_source(cache, tmp_path, k):
+def test_greedy_speculative_tokens_equal_plain_for_every_builtin_source(ckpt, plain, builtin_drafts, k):
     from memra.drafters.builtin import BUILTIN_SOURCES
 
-    plain = ok_json(run_cli("-n", 24, "--json", "--draft", "none", "--prompt", "héllo, wörld", cache=cache))
+    plain = ok_json(plain)
     ran = []
-    for name, extra in _builtin_drafts(tmp_path):
-        spec = ok_json(run_cli("-n", 24, "--json", "--draft", name, "-k", k, *extra, "--prompt", "héllo, wörld",
-                               cache=cache))
+    for name, extra in builtin_drafts:
+        spec = ok_json(run_on(ckpt, "-n", 24, "--json", "--draft", name, "-k", k, *extra, "--prompt", "héllo, wörld"))
         assert spec["tokens"] == plain["tokens"], name
         assert spec["draft"] == name and spec["num_draft_tokens"] > 0
         ran.append(name)
@@ -87,51 +84,51 @@ def test_greedy_speculative_tokens_equal_plain_for_every_builtin_source(cache, t
         pytest.skip(f"built-in sources {sorted(missing)} cannot run here (no fixture writer)")
 
 
-def test_sampled_runs_are_reproducible_by_seed(cache):
+def test_sampled_runs_are_reproducible_by_seed(ckpt):
     args = ("-n", 16, "--json", "--temperature", 0.9, "--top-p", 0.95, "--top-k", 40)
-    a, b = (ok_json(run_cli(*args, "--seed", 7, cache=cache)) for _ in range(2))
-    other = ok_json(run_cli(*args, "--seed", 8, cache=cache))
+    a, b = (ok_json(run_on(ckpt, *args, "--seed", 7)) for _ in range(2))
+    other = ok_json(run_on(ckpt, *args, "--seed", 8))
     assert a["tokens"] == b["tokens"] and a["seed"] == 7 and other["seed"] == 8
     assert a["tokens"] != other["tokens"]
-    plain = [ok_json(run_cli(*args, "--seed", 7, "--draft", "none", cache=cache))["tokens"] for _ in range(2)]
+    plain = [ok_json(run_on(ckpt, *args, "--seed", 7, "--draft", "none"))["tokens"] for _ in range(2)]
     assert plain[0] == plain[1]
 
 
-def test_eos_stops_generation_and_ignore_eos_does_not(cache):
-    tape = ok_json(run_cli("-n", 10, "--json", "--ignore-eos", cache=cache))["tokens"]
+def test_eos_stops_generation_and_ignore_eos_does_not(ckpt):
+    tape = ok_json(run_on(ckpt, "-n", 10, "--json", "--ignore-eos"))["tokens"]
     stop = tape[3]
-    cut = ok_json(run_cli("-n", 10, "--json", "--eos", stop, cache=cache))
+    cut = ok_json(run_on(ckpt, "-n", 10, "--json", "--eos", stop))
     assert cut["tokens"] == tape[:tape.index(stop) + 1]
 
 
-def test_prompt_from_stdin_file_and_ids_agree(cache, tmp_path):
+def test_prompt_from_stdin_file_and_ids_agree(ckpt, tmp_path):
     text = "Grüße 🙂"
     (tmp_path / "p.txt").write_text(text, encoding="utf-8")
     ids = ",".join(str(b) for b in text.encode())
-    runs = [run_cli("-n", 6, "--json", *how, cache=cache, stdin=text if how[-1] == "-" else None)
+    runs = [run_on(ckpt, "-n", 6, "--json", *how, stdin=text if how[-1] == "-" else None)
             for how in (("--prompt", text), ("--prompt", "-"), ("--prompt-file", tmp_path / "p.txt"),
                         ("--prompt-ids", ids))]
     records = [ok_json(p) for p in runs]
     assert all(r["tokens"] == records[0]["tokens"] and r["prompt_tokens"] == len(text.encode()) for r in records)
 
 
-def test_a_long_request_is_lowered_to_fit_the_context(cache):
-    proc = run_cli("-n", 10, "--max-ctx", 48, "--json", cache=cache)
+def test_a_long_request_is_lowered_to_fit_the_context(ckpt):
+    proc = run_on(ckpt, "-n", 10, "--max-ctx", 48, "--json")
     rec = ok_json(proc)
     assert rec["new_tokens"] == 48 - 19 - 22 and "lowered to 7" in proc.stderr
 
 
-def test_list_drafters_names_the_builtins(cache):
-    proc = run_cli("--list-drafters", cache=cache)
+def test_list_drafters_names_the_builtins():
+    proc = run_cli("--list-drafters")
     assert proc.returncode == 0
     table = dict(line.split(None, 1) for line in proc.stdout.splitlines())
     assert table["native-mtp"] == "built-in" and table["dflash2"] == "built-in"
 
 
-def test_ctrl_c_keeps_the_partial_output_and_exits_130(cache):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(cache)}
-    proc = subprocess.Popen([sys.executable, "-m", "memra.run", "-n", "3000", "--ignore-eos"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def test_ctrl_c_keeps_the_partial_output_and_exits_130(ckpt):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "memra.run", "--checkpoint", ckpt, "--prompt", TEXT_PROMPT, "-n",
+                             "3000", "--ignore-eos"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = proc.stdout.read(1)                 # generation is under way
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=60)

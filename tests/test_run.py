@@ -66,13 +66,15 @@ def test_stats_split_prefill_from_decode_and_leave_the_callback_out(mini, draft)
     assert {"num_drafts", "accepted_per_pos", "seconds"} <= set(stats)
 
 
-def test_main_in_process_prints_text_then_one_json_line(tmp_path, capsys):
-    assert main(["--demo-dir", str(tmp_path), "-n", "6", "--backend", "numpy", "--json"]) == 0
+def test_main_in_process_prints_text_then_one_json_line(fixture_dir, capsys):
+    small = fixture_dir("small")
+    assert main(["--checkpoint", small, "--prompt", "The quick brown fox", "-n", "6", "--backend", "numpy",
+                 "--json"]) == 0
     out = capsys.readouterr()
     record = json.loads(out.out.split("\n")[-2])
-    model = load_model(tmp_path / "small-seed0", backend="numpy")
+    model = load_model(small, backend="numpy")
     assert record["tokens"] == generate(model, list(b"The quick brown fox"), 6).tokens
-    assert "first run: writing the demo model" in out.err and "draft native-mtp" in out.err
+    assert out.err.startswith(f"memra: {small}\n") and "draft native-mtp" in out.err
 
 
 def test_help_and_version_exit_0(capsys):

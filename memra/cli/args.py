@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import math
 
+from memra.demo_model import PROMPT
 from memra.limits import MAX_K
 
 PROG = "python -m memra.run"
-DEMO_PROMPT = "The quick brown fox"
 
 
 class UsageError(Exception):
@@ -65,19 +65,22 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_argument_group("model")
     src.add_argument("--checkpoint", "--model", dest="checkpoint", metavar="DIR",
                      help="checkpoint directory: config.json + safetensors, optional tokenizer.json and "
-                          "generation_config.json (default: the built-in demo model)")
-    src.add_argument("--demo-dir", metavar="DIR",
-                     help="where the demo model is written once and reused (default: "
-                          "$XDG_CACHE_HOME/memra/demo, else ~/.cache/memra/demo)")
+                          "generation_config.json (default: the demo model memra ships, trained on Python code)")
     src.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"),
                      help="compute backend (default auto: cuda when usable, else numpy)")
+    src.add_argument("--gpus", type=number_arg(int, "--gpus", lo=1, why="must be an integer >= 1"), metavar="N",
+                     help="split the trunk into N pipeline stages, stage s on local GPU s, balanced by weight "
+                          "bytes (numpy: N stages in this process); same tokens as one stage")
+    src.add_argument("--stage-layers", metavar="0-3,4-7",
+                     help="the pipeline split by hand: one inclusive layer range per stage, covering every "
+                          "trunk layer once, in order")
     src.add_argument("--max-ctx", type=number_arg(int, "--max-ctx", lo=2, why="must be an integer >= 2"),
                      metavar="N", help="context cap, prompt + generated tokens (default: the model's "
                      "max_position_embeddings)")
 
     prompt = ap.add_argument_group("prompt (one of)").add_mutually_exclusive_group()
     prompt.add_argument("--prompt", metavar="TEXT", help=f"prompt text; '-' reads stdin (demo default: "
-                        f"{DEMO_PROMPT!r})")
+                        f"{PROMPT!r})")
     prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt text from a UTF-8 file")
     prompt.add_argument("--prompt-ids", type=_prompt_ids, metavar="1,2,3", help="prompt token ids")
 
@@ -115,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     out = ap.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="end stdout with one JSON line of stats and token ids")
     out.add_argument("--list-drafters", action="store_true", help="print each draft source and its origin, exit")
+    out.add_argument("--plan", action="store_true", help="print the memory plan (bytes per device: weights by "
+                     "dtype, cache at --max-ctx, buffers) against the backend's free memory and exit, reading no "
+                     "tensor; exit 2 when it does not fit")
+    out.add_argument("--preset", metavar="NAME", help="with --plan: plan a named config instead of a checkpoint "
+                     "(full: GLM-5-Next as released; small, bench)")
+    out.add_argument("--weights-dtype", choices=("bf16", "fp8"), help="with --plan --preset: the release "
+                     "planned (default bf16)")
     out.add_argument("--debug", action="store_true", help="show tracebacks")
     out.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     return ap
@@ -124,6 +134,11 @@ def parse_args(argv):
     args = build_parser().parse_args(argv)
     if args.eos and args.ignore_eos:
         raise UsageError("--eos and --ignore-eos contradict each other: give one")
+    if (args.preset or args.weights_dtype) and not args.plan:
+        raise UsageError("--preset and --weights-dtype choose what --plan plans: give --plan too")
+    if args.weights_dtype and not args.preset:
+        raise UsageError("--weights-dtype is the dtype of a --preset's plan (a checkpoint's headers give its own): "
+                         "give --preset NAME, or drop --weights-dtype")
     if args.p_min0 and not args.p_min:
         raise UsageError("--p-min0 widens the --p-min gate to the first draft: give --p-min P > 0 too")
     return args

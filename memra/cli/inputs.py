@@ -1,5 +1,5 @@
 """What the command line resolves before generating: the model directory (a checkpoint, or the
-demo written once into the user cache), its generation_config.json, the prompt ids, the EOS
+demo model memra ships), its generation_config.json, the prompt ids, the EOS
 ids, the sampling parameters and the draft source.
 
 Precedence everywhere: an explicit flag, then the checkpoint's generation_config.json (as
@@ -9,19 +9,15 @@ transformers reads it: greedy unless do_sample; top_k 50 when sampling and unset
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 
-from memra.cli.args import DEMO_PROMPT, UsageError
+from memra.cli.args import UsageError
 from memra.config import read_optional_json
 from memra.errors import CheckpointError, ConfigError, InputError
 from memra.jsonfile import parse_json
 from memra.model.tokens import check_token_ids
 
-DEMO_PRESET = "small"
-DEMO_SEED = 0
 DEMO_DRAFT = "native-mtp"
 GENERATION_CONFIG = "generation_config.json"
 HF_TOP_K = 50          # transformers' GenerationConfig default when sampling
@@ -37,7 +33,7 @@ class Source:
 
 def model_source(args, err=sys.stderr) -> Source:
     if args.checkpoint is None:
-        return Source(demo_dir(args.demo_dir, err), True, {})
+        return Source(demo_target(), True, read_generation_config(demo_target()))
     path = os.path.expanduser(args.checkpoint)
     if not os.path.isdir(path):
         raise ConfigError(f"--checkpoint {args.checkpoint}: no such directory; point it at a checkpoint "
@@ -45,52 +41,23 @@ def model_source(args, err=sys.stderr) -> Source:
     return Source(path, False, read_generation_config(path))
 
 
-def demo_root() -> str:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "memra", "demo")
+def demo_target() -> str:
+    """The shipped demo model's directory (package data), refused by name when an install lost it."""
+    from memra import demo_model
+
+    if not os.path.isfile(os.path.join(demo_model.TARGET, "model.safetensors")):
+        raise CheckpointError(f"the demo model is missing from this install ({demo_model.TARGET}): reinstall "
+                              "memra (pip install -e .), or pass --checkpoint DIR")
+    return demo_model.TARGET
 
 
-def demo_dir(root: str | None, err=sys.stderr) -> str:
-    """The demo checkpoint: written once (atomically: a temp dir renamed into place), then reused."""
-    from memra.checkpoint import write_fixture
-    from memra.config import preset
+def source_draft_options(name: str | None, options: dict | None, source: Source) -> dict | None:
+    """The demo ships its DFlash2 drafter: `--draft dflash2` on the demo needs no path."""
+    from memra import demo_model
 
-    path = os.path.join(os.path.expanduser(root or demo_root()), f"{DEMO_PRESET}-seed{DEMO_SEED}")
-    if os.path.exists(os.path.join(path, "model.safetensors")):
-        return path
-    _check_writable_dir(path, "--demo-dir" if root else "the demo cache (XDG_CACHE_HOME)")
-    print(f"memra: first run: writing the demo model (the `{DEMO_PRESET}` preset, random weights, "
-          f"byte-level vocab) to {path}; later runs reuse it", file=err, flush=True)
-    parent, tmp = os.path.dirname(path), None
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".writing-", dir=parent)
-        write_fixture(tmp, preset(DEMO_PRESET), seed=DEMO_SEED)
-        if os.path.isdir(path):           # a leftover without weights: replace it
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        tmp = None
-    except OSError as exc:
-        if os.path.exists(os.path.join(path, "model.safetensors")):
-            return path                   # another run wrote it first
-        raise CheckpointError(f"cannot write the demo model under {parent} ({exc.strerror or exc}): "
-                              "pass --demo-dir DIR with a writable directory") from None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def _check_writable_dir(path: str, flag: str) -> None:
-    """Before anything prints: the nearest existing ancestor of `path` must be a writable directory."""
-    probe = path
-    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise UsageError(f"{flag}: {probe} is a file, not a directory: point {flag.split()[0]} at a directory")
-    if probe != path and not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag}: {probe} is not writable, so the demo model cannot be written there: "
-                         "pass --demo-dir DIR with a writable directory")
+    if name == "dflash2" and source.demo and "path" not in (options or {}):
+        return {**(options or {}), "path": demo_model.DFLASH2}
+    return options
 
 
 def read_generation_config(path: str) -> dict:
@@ -114,7 +81,9 @@ def prompt_ids(args, source: Source, tokenizer, stdin=None) -> list[int]:
         if not _utf8(text):
             raise UsageError("--prompt holds bytes that are not UTF-8 text: pass UTF-8, or the ids with --prompt-ids")
     elif source.demo:
-        text = DEMO_PROMPT
+        from memra.demo_model import PROMPT
+
+        text = PROMPT
     else:
         raise UsageError("no prompt: give --prompt TEXT, --prompt-file PATH, --prompt - (stdin) or --prompt-ids 1,2,3")
     if tokenizer is None:

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from memra.cli import inputs
 from memra.cli.args import UsageError, parse_args
+from memra.cli.plan import plan_command, run_plan
 from memra.cli.output import Progress, Report, TextPrinter, record, summary
 from memra.errors import MemraError
-from memra.memory import context_limit
+from memra.memory import context_limit, free_bytes
 from memra.model.tokens import check_token_ids
 
 EXIT_REFUSED = 2
@@ -41,6 +42,8 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         if args.list_drafters:
             return _list_drafters(out)
+        if args.plan:
+            return plan_command(args, out, err)
         return _run(args, out, err, held)
     except SystemExit as exc:           # --help, --version
         return exc.code if isinstance(exc.code, int) else 0
@@ -87,15 +90,18 @@ class Job:
     eos: tuple
     p_min: float
     pmin0: bool
+    free_before: int | None = None   # the backend's free bytes before the model loaded (the memory plan's budget)
 
 
 def _prepare(args, err) -> Job:
     from memra import load_model
+    from memra.backend import get_backend
     from memra.tokenizer import load_tokenizer
 
     source = inputs.model_source(args, err)
+    free_before = free_bytes(get_backend(args.backend))
     t0 = time.perf_counter()
-    model = load_model(source.path, backend=args.backend)
+    model = load_model(source.path, backend=args.backend, stages=args.gpus or 1, stage_layers=args.stage_layers)
     load_s = time.perf_counter() - t0
     cfg = model.cfg
     tokenizer = load_tokenizer(source.path, cfg.vocab_size)
@@ -108,9 +114,10 @@ def _prepare(args, err) -> Job:
                          "or --draft none")
     room = inputs.check_context(args, cfg, len(prompt), err, *context_limit(cfg, model.be))
     return Job(source, model, load_s, tokenizer, prompt, room,
-               draft, draft_why, args.num_draft_tokens or DEFAULT_K, inputs.draft_options(args.draft_option),
+               draft, draft_why, args.num_draft_tokens or DEFAULT_K,
+               inputs.source_draft_options(draft, inputs.draft_options(args.draft_option), source),
                inputs.sampling_params(args, source), inputs.eos_ids(args, source, cfg), args.p_min or 0.0,
-               args.p_min0)
+               args.p_min0, free_before)
 
 
 def _run(args, out, err, held: dict) -> int:
@@ -143,7 +150,9 @@ def _run(args, out, err, held: dict) -> int:
     rep = Report(prompt_tokens=len(job.prompt), tokens=tokens, stats=result.stats, draft=job.draft,
                  draft_why=job.draft_why, k=job.k, sampling=job.sampling, backend=job.model.be.name,
                  device=job.model.be.device_name(), model=job.source.path, demo=job.source.demo, stop=stop,
-                 load_s=job.load_s, warmup_s=warmup_s)
+                 load_s=job.load_s, warmup_s=warmup_s,
+                 memory_plan=run_plan(job.source.path, job.model, len(job.prompt), job.max_new, job.draft, job.k,
+                                      job.free_before))
     print(summary(rep), file=err, flush=True)
     if args.json:
         print(json.dumps(record(rep)), file=out, flush=True)

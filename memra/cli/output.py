@@ -12,12 +12,13 @@ import re
 import time
 from dataclasses import dataclass
 
+from memra.cli.plan import plan_line
 from memra.speculative.metrics import PHASES
 from memra.tokenizer import TextStream
 
 JSON_KEYS = ("prompt_tokens", "new_tokens", "prefill_s", "decode_s", "tokens_per_s", "draft", "num_draft_tokens_k",
              "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
-             "accepted_per_pos", "phase_s", "backend", "device", "seed", "tokens")
+             "accepted_per_pos", "phase_s", "backend", "device", "seed", "memory_plan", "tokens")
 _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but \t and \n
 
 
@@ -110,6 +111,7 @@ class Report:
     stop: str
     load_s: float
     warmup_s: float = 0.0     # the untimed first generation that compiles CUDA kernels
+    memory_plan: dict | None = None  # memra.memory_plan.MemoryPlan.to_dict() of the loaded model at this run's context
 
 
 def record(rep: Report) -> dict:
@@ -134,6 +136,7 @@ def record(rep: Report) -> dict:
         "backend": rep.backend,
         "device": rep.device,
         "seed": rep.sampling.seed if rep.sampling is not None else None,
+        "memory_plan": rep.memory_plan,
         "tokens": list(rep.tokens),
     }
     assert tuple(rec) == JSON_KEYS
@@ -148,7 +151,7 @@ def _rate(rep: Report) -> float | None:
 
 def summary(rep: Report) -> str:
     s = rep.stats
-    model = f"demo model at {rep.model} (random weights: acceptance is not meaningful)" if rep.demo else rep.model
+    model = f"the demo model ({rep.model}; trained on CPython's standard library)" if rep.demo else rep.model
     mode = "greedy" if rep.sampling is None else _sampling_text(rep.sampling)
     draft = f"draft {rep.draft}, K={rep.k}" if rep.draft else "plain decoding"
     rate = _rate(rep)
@@ -161,6 +164,8 @@ def summary(rep: Report) -> str:
         + f"prefill {s['prefill_s']:.3f} s, decode {s['decode_s']:.3f} s"
         + (f", {rate:.1f} tokens/s" if rate is not None else ""),
     ]
+    if plan_line(rep.memory_plan):
+        lines.append(plan_line(rep.memory_plan))
     if rep.draft is not None:
         drafted, accepted = s["num_draft_tokens"], s["num_accepted_tokens"]
         share = f" ({100 * accepted / drafted:.1f}%)" if drafted else ""

@@ -49,7 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_argument_group("model")
     src.add_argument("--checkpoint", "--model", dest="checkpoint", metavar="DIR",
                      help="checkpoint directory (default: the built-in demo model)")
-    src.add_argument("--demo-dir", metavar="DIR", help="where the demo model is written once and reused")
     src.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"), help="default auto")
     src.add_argument("--max-ctx", type=number_arg(int, "--max-ctx", lo=2, why="must be an integer >= 2"), metavar="N",
                      help="context cap per request, prompt + generated (default: max_position_embeddings)")
@@ -126,7 +125,7 @@ def _serve(args, err) -> int:
         options.setdefault(source, []).append((key, value))
     drafts = None if args.drafts is None else tuple(n.strip() for n in args.drafts.split(",") if n.strip())
     engine = Engine(EngineOptions(
-        checkpoint=args.checkpoint, demo_dir=args.demo_dir, backend=args.backend, max_ctx=args.max_ctx,
+        checkpoint=args.checkpoint, backend=args.backend, max_ctx=args.max_ctx,
         draft=args.draft, num_draft_tokens=args.num_draft_tokens,
         draft_options={source: draft_options(pairs) for source, pairs in options.items()}, drafts=drafts,
         served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens), err)

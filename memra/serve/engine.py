@@ -4,7 +4,7 @@
     engine.name, engine.tokenizer, engine.eos, engine.default_draft, engine.drafter("native-mtp")
     engine = Engine(EngineOptions(draft="native-mtp"), model=model)    # a model already in memory
 
-The checkpoint (or the demo, written once into the user cache), its tokenizer, EOS ids and
+The checkpoint (or the demo model memra ships), its tokenizer, EOS ids and
 generation_config.json come from memra.cli.inputs. Every registered draft source is loaded here
 once (weights once per model; each request opens its own state on it); a source that cannot load
 (dflash2 without --draft-option dflash2:path=DIR) is listed as unavailable with the reason, and a
@@ -13,7 +13,7 @@ request naming it gets that reason back. A source the operator asked for by name
 `model=` serves a model already in memory (benchmarks/bench_serve.py: the `bench` preset's ~46 GB
 of weights are built in memory, never written to disk); options.backend is then unused (the
 model has its own). The tokenizer, chat template and generation_config.json still come from
-options.checkpoint when one is given; without one there are none (no demo is written): requests
+options.checkpoint when one is given; without one there are none (the demo is not used): requests
 send token ids, EOS is the model config's, and the name is options.served_model_name or
 IN_MEMORY_NAME.
 """
@@ -39,7 +39,6 @@ WARMUP_PROMPT = 64   # long enough to reach the sparse (kpool) attention path
 @dataclass
 class EngineOptions:
     checkpoint: str | None = None
-    demo_dir: str | None = None
     backend: str = "auto"
     max_ctx: int | None = None
     draft: str | None = None                 # None: the CLI's default; "none": plain decoding
@@ -56,8 +55,7 @@ class Engine:
         from memra.tokenizer import load_tokenizer
 
         if model is None or options.checkpoint is not None:
-            self.source = inputs.model_source(SimpleNamespace(checkpoint=options.checkpoint,
-                                                              demo_dir=options.demo_dir), err)
+            self.source = inputs.model_source(SimpleNamespace(checkpoint=options.checkpoint), err)
         else:  # a model in memory and no checkpoint: no tokenizer, no generation config, no demo
             self.source = inputs.Source(None, False, {})
         self.model = model if model is not None else load_model(self.source.path, backend=options.backend)
@@ -76,7 +74,7 @@ class Engine:
                                                                  self.source, cfg)
         self.default_k = options.num_draft_tokens
         self.default_max_tokens = options.default_max_tokens
-        self.drafters, self.unavailable = _load_drafters(self.model, options, self.default_draft)
+        self.drafters, self.unavailable = _load_drafters(self.model, options, self.default_draft, self.source)
         name = options.served_model_name
         self.name = name or (DEMO_NAME if self.source.demo else IN_MEMORY_NAME if path is None
                              else os.path.basename(os.path.normpath(path)))
@@ -114,7 +112,7 @@ class Engine:
             run.close()
 
 
-def _load_drafters(model, options: EngineOptions, default: str | None) -> tuple[dict, dict]:
+def _load_drafters(model, options: EngineOptions, default: str | None, source) -> tuple[dict, dict]:
     from memra.drafters.registry import list_draft_sources, load_drafter
 
     registered = list_draft_sources()
@@ -130,7 +128,8 @@ def _load_drafters(model, options: EngineOptions, default: str | None) -> tuple[
     loaded, unavailable = {}, {}
     for name in offered:
         try:
-            loaded[name] = load_drafter(name, model, options.draft_options.get(name))
+            loaded[name] = load_drafter(name, model,
+                                        inputs.source_draft_options(name, options.draft_options.get(name), source))
         except MemraError as exc:
             if name in wanted:
                 raise InputError(f"draft source {name!r} failed to load: {exc}") from None

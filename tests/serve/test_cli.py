@@ -91,12 +91,12 @@ def stream_in_thread(url: str, body: dict, first: threading.Event, out: dict) ->
     return thread
 
 
-def test_memra_serve_reaches_the_server_and_refuses_a_bad_flag_in_one_line(tmp_path):
-    proc = run_cli("serve", "--port", "99999", cache=tmp_path)
+def test_memra_serve_reaches_the_server_and_refuses_a_bad_flag_in_one_line():
+    proc = run_cli("serve", "--port", "99999")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("memra serve: --port 99999: must be in 0..65535")
-    help_ = run_cli("serve", "--help", cache=tmp_path)
+    help_ = run_cli("serve", "--help")
     assert help_.returncode == 0 and "--max-sessions" in help_.stdout and "--burst-tokens" in help_.stdout
 
 

@@ -1,20 +1,24 @@
-"""Engine(options, model=...) serves a model already in memory: it never loads one or writes the
-demo; without a checkpoint there is no tokenizer (token-id prompts only), with one the checkpoint's
-tokenizer and name come along. Served over memra.serve.inprocess, its tokens are generate's."""
+"""Engine(options, model=...) serves a model already in memory: it never loads one or falls back to
+the demo; without a checkpoint there is no tokenizer (token-id prompts only), with one the
+checkpoint's tokenizer and name come along. Served over memra.serve.inprocess, its tokens are
+generate's. Engine(options) without a checkpoint serves the demo model memra ships, with its
+DFlash2 drafter, or is refused in one line when the install lost it."""
 
 import os
 
 import pytest
 
 import memra
-from memra import generate, load_model
+from memra import demo_model, generate, load_model
+from memra.errors import CheckpointError
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from memra.serve.app import ServeSettings, create_app  # noqa: E402
-from memra.serve.engine import IN_MEMORY_NAME, Engine, EngineOptions  # noqa: E402
+from memra.serve.cli import main as serve_main  # noqa: E402
+from memra.serve.engine import DEMO_NAME, IN_MEMORY_NAME, Engine, EngineOptions  # noqa: E402
 from memra.serve.inprocess import InProcessServer  # noqa: E402
 
 PROMPT = [3, 141, 59, 26, 53, 58, 97, 93]
@@ -33,13 +37,11 @@ def no_loading(monkeypatch):
     monkeypatch.setattr(memra, "load_model", refuse)
 
 
-def test_a_given_model_without_a_checkpoint_is_served_with_token_ids_only(model, tmp_path, no_loading):
-    demo = tmp_path / "demo"
-    engine = Engine(EngineOptions(demo_dir=str(demo), draft="native-mtp"), model=model)
+def test_a_given_model_without_a_checkpoint_is_served_with_token_ids_only(model, no_loading):
+    engine = Engine(EngineOptions(draft="native-mtp"), model=model)
     assert engine.model is model and engine.tokenizer is None and engine.name == IN_MEMORY_NAME
     assert engine.eos == tuple(model.cfg.eos_token_id) and engine.default_draft == "native-mtp"
-    assert not demo.exists()
-    assert "a model in memory" in engine.describe()
+    assert not engine.source.demo and "a model in memory" in engine.describe()
 
 
 def test_a_given_model_with_a_checkpoint_takes_its_tokenizer_and_name(model, small_dir, no_loading):
@@ -63,3 +65,23 @@ def test_an_in_memory_engine_served_in_process_streams_generates_tokens(model):
         text = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
         assert text.status_code == 400 and "no tokenizer" in text.json()["error"]["message"]
     assert not server.thread.is_alive()
+
+
+def test_without_a_checkpoint_the_shipped_demo_is_served_with_its_drafter():
+    engine = Engine(EngineOptions(backend="numpy"))
+    assert engine.source.demo and engine.source.path == demo_model.TARGET and engine.name == DEMO_NAME
+    assert engine.vocab_size == 8192 and engine.tokenizer.encode(demo_model.PROMPT)
+    assert engine.default_draft == "native-mtp" and {"native-mtp", "dflash2"} <= set(engine.drafters)
+    assert "the demo model at" in engine.describe()
+    # the same directory as --checkpoint is not the demo: its drafter is not filled in
+    other = Engine(EngineOptions(checkpoint=demo_model.TARGET, backend="numpy"), model=engine.model)
+    assert "dflash2" in other.unavailable and "dflash2" not in other.drafters
+
+
+def test_a_demo_missing_from_the_install_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(demo_model, "TARGET", str(tmp_path))
+    with pytest.raises(CheckpointError, match="the demo model is missing from this install"):
+        Engine(EngineOptions(backend="numpy"))
+    assert serve_main(["--port", "0", "--backend", "numpy"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memra serve: the demo model is missing") and err.count("\n") == 1

@@ -37,6 +37,7 @@ from memra.drafters.dflash2.weights import (
 from memra.errors import ConfigError, ContextOverflowError, InputError
 
 F32 = np.float32
+MASK_FILE = "mask_embedding.npy"  # a learned mask row in the drafter directory, used unless overridden
 
 
 def conv_rows(xp, z, base, coef, group: int):
@@ -128,6 +129,8 @@ class DflashDraft:
         _check_target(cfg, target_model.cfg)
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         tensors = load_weights(folder, cfg, precision)
+        if mask_embedding is None and os.path.isfile(os.path.join(folder, MASK_FILE)):
+            mask_embedding = os.path.join(folder, MASK_FILE)  # trained with the drafter, shipped beside it
         mask = None if mask_embedding is None else load_mask_embedding(mask_embedding, cfg.hidden_size)
         return cls(cfg, tensors, target_model, precision, mask)
 

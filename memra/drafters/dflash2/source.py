@@ -27,6 +27,7 @@ Options (`draft_options`):
   markov         False drafts without the markov head's bias (the confidence head still reads
                  its embeddings); default: on when the checkpoint has one
   mask_embedding an [H] vector (or an .npy / .safetensors file) replacing the mask token's embedding
+                 (default: the drafter directory's mask_embedding.npy when it has one)
   tap_shift      gate instrument, never serving: read every tap layer n layers later (wrong
                  features must collapse acceptance while the output stays identical)
 

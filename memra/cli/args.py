@@ -58,6 +58,16 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
+def add_placement_flags(group) -> None:
+    """--gpus / --stage-layers: the pipeline placement, the same for `memra.run` and `memra serve`."""
+    group.add_argument("--gpus", type=number_arg(int, "--gpus", lo=1, why="must be an integer >= 1"), metavar="N",
+                       help="split the trunk into N pipeline stages, stage s on local GPU s, balanced by weight "
+                            "bytes (numpy: N stages in this process); same tokens as one stage")
+    group.add_argument("--stage-layers", metavar="0-3,4-7",
+                       help="the pipeline split by hand: one inclusive layer range per stage, covering every "
+                            "trunk layer once, in order")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog=PROG, description="Generate from a glm5_next checkpoint (or the built-in demo model), "
                  "plainly or with speculative decoding: same greedy tokens, same sampled distribution.",
@@ -68,12 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "generation_config.json (default: the demo model memra ships, trained on Python code)")
     src.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"),
                      help="compute backend (default auto: cuda when usable, else numpy)")
-    src.add_argument("--gpus", type=number_arg(int, "--gpus", lo=1, why="must be an integer >= 1"), metavar="N",
-                     help="split the trunk into N pipeline stages, stage s on local GPU s, balanced by weight "
-                          "bytes (numpy: N stages in this process); same tokens as one stage")
-    src.add_argument("--stage-layers", metavar="0-3,4-7",
-                     help="the pipeline split by hand: one inclusive layer range per stage, covering every "
-                          "trunk layer once, in order")
+    add_placement_flags(src)
     src.add_argument("--max-ctx", type=number_arg(int, "--max-ctx", lo=2, why="must be an integer >= 2"),
                      metavar="N", help="context cap, prompt + generated tokens (default: the model's "
                      "max_position_embeddings)")

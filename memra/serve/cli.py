@@ -19,7 +19,7 @@ import socket
 import sys
 import traceback
 
-from memra.cli.args import UsageError, number_arg
+from memra.cli.args import UsageError, add_placement_flags, number_arg
 from memra.errors import MemraError
 from memra.limits import MAX_K
 
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--checkpoint", "--model", dest="checkpoint", metavar="DIR",
                      help="checkpoint directory (default: the built-in demo model)")
     src.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"), help="default auto")
+    add_placement_flags(src)
     src.add_argument("--max-ctx", type=number_arg(int, "--max-ctx", lo=2, why="must be an integer >= 2"), metavar="N",
                      help="context cap per request, prompt + generated (default: max_position_embeddings)")
     src.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: the "
@@ -125,7 +126,8 @@ def _serve(args, err) -> int:
         options.setdefault(source, []).append((key, value))
     drafts = None if args.drafts is None else tuple(n.strip() for n in args.drafts.split(",") if n.strip())
     engine = Engine(EngineOptions(
-        checkpoint=args.checkpoint, backend=args.backend, max_ctx=args.max_ctx,
+        checkpoint=args.checkpoint, backend=args.backend, stages=args.gpus or 1, stage_layers=args.stage_layers,
+        max_ctx=args.max_ctx,
         draft=args.draft, num_draft_tokens=args.num_draft_tokens,
         draft_options={source: draft_options(pairs) for source, pairs in options.items()}, drafts=drafts,
         served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens), err)

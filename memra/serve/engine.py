@@ -40,6 +40,8 @@ WARMUP_PROMPT = 64   # long enough to reach the sparse (kpool) attention path
 class EngineOptions:
     checkpoint: str | None = None
     backend: str = "auto"
+    stages: int = 1                          # pipeline stages (memra.load_model): --gpus
+    stage_layers: str | None = None          # an explicit split: --stage-layers
     max_ctx: int | None = None
     draft: str | None = None                 # None: the CLI's default; "none": plain decoding
     num_draft_tokens: int = 4
@@ -58,7 +60,9 @@ class Engine:
             self.source = inputs.model_source(SimpleNamespace(checkpoint=options.checkpoint), err)
         else:  # a model in memory and no checkpoint: no tokenizer, no generation config, no demo
             self.source = inputs.Source(None, False, {})
-        self.model = model if model is not None else load_model(self.source.path, backend=options.backend)
+        self.model = model if model is not None else load_model(self.source.path, backend=options.backend,
+                                                                stages=options.stages,
+                                                                stage_layers=options.stage_layers)
         cfg = self.model.cfg
         self.vocab_size = cfg.vocab_size
         limit = cfg.max_position_embeddings

@@ -17,7 +17,7 @@ from memra.errors import MemraError
 ARGS = ["--preset", "small", "--backend", "numpy", "--git-sha", "test", "--steps", "12",
         "--alphas", "0.5,1.0", "--ks", "1,3", "--context", "16", "--reps", "3"]
 POINT_KEYS = {"alpha", "k", "tokens", "ms", "tokens_per_s", "rounds", "mean_accepted_per_round",
-              "expected_tokens_per_round", "speedup_vs_plain", "verify_ms", "bound_tokens_per_s",
+              "expected_tokens_per_round", "realised_tokens_per_round", "speedup_vs_plain", "verify_ms", "bound_tokens_per_s",
               "fraction_of_bound", "ms_per_round_by_phase", "with_draft_cost"}
 
 
@@ -35,6 +35,9 @@ def test_bench_spec_prints_one_json_line_and_full_acceptance_accepts_every_draft
     assert [(p["alpha"], p["k"]) for p in spec] == [(0.5, 1), (1.0, 1), (0.5, 3), (1.0, 3)]
     for p in spec:
         assert set(p) == POINT_KEYS and p["tokens"] >= 12 and p["bound_tokens_per_s"] > 0
+        # the bound is taken at the acceptance the timed rounds realised, not the analytic one
+        assert p["realised_tokens_per_round"] == p["tokens"] / p["rounds"]
+        assert p["bound_tokens_per_s"] == pytest.approx(p["realised_tokens_per_round"] / p["verify_ms"] * 1e3)
         assert set(p["with_draft_cost"]) == {"native-mtp", "dflash2"}
         if p["alpha"] == 1.0:
             assert p["mean_accepted_per_round"] == p["k"]  # the tape covers the overshoot: never truncated

@@ -85,3 +85,20 @@ def test_a_demo_missing_from_the_install_is_refused_in_one_line(tmp_path, monkey
     assert serve_main(["--port", "0", "--backend", "numpy"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("memra serve: the demo model is missing") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("stages, stage_layers", [(2, None), (1, "0-1,2-3,4-5")])
+def test_a_staged_engine_serves_the_unsplit_models_tokens(model, small_dir, stages, stage_layers):
+    """`memra serve --gpus N` / `--stage-layers`: the engine loads the trunk as stages (numpy: in
+    this process) and a request's tokens are the one-stage model's."""
+    expected = generate(model, PROMPT, 6, draft="native-mtp", num_draft_tokens=3).tokens
+    engine = Engine(EngineOptions(checkpoint=small_dir, backend="numpy", stages=stages, stage_layers=stage_layers,
+                                  draft="native-mtp", drafts=("native-mtp",)))
+    assert engine.model.placement.count == (stages if stage_layers is None else 3)
+    with InProcessServer(create_app(engine, ServeSettings(burst_tokens=2))) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as client:
+        body = {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True,
+                "draft": "native-mtp", "num_draft_tokens": 3}
+        reply = client.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == expected

@@ -72,8 +72,21 @@ def scale_grid(shape) -> tuple[int, ...]:
     return (*lead, math.ceil(n_out / BLOCK), math.ceil(n_in / BLOCK))
 
 
+class Fp8Shaped:
+    """What an FP8 matrix answers like an array, wherever its `data` and `scale_inv` live: the
+    weights' shape, and nbytes counting the scales too (the benchmarks' byte counts)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes + self.scale_inv.nbytes)
+
+
 @dataclass(frozen=True, eq=False)
-class Fp8Block:
+class Fp8Block(Fp8Shaped):
     """An FP8 matrix as stored: `data` e4m3 bytes (uint8) [..., out, in] and `scale_inv` float32
     [..., ceil(out/128), ceil(in/128)], W ~= e4m3(data) * scale_inv blockwise. A leading axis
     stacks experts (`stack`). The loader checks the grid, finiteness and positivity."""
@@ -84,14 +97,6 @@ class Fp8Block:
     def __post_init__(self):
         assert self.data.dtype == np.uint8 and self.scale_inv.dtype == F32, (self.data.dtype, self.scale_inv.dtype)
         assert self.scale_inv.shape == scale_grid(self.data.shape), (self.data.shape, self.scale_inv.shape)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.data.shape
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes + self.scale_inv.nbytes)
 
 
 def stack(blocks) -> Fp8Block:

@@ -16,10 +16,10 @@ import numpy as np
 import cupy as cp
 
 from memra.backend.cuda.runtime import check
-from memra.backend.fp8 import Fp8Block, scale_grid
+from memra.backend.fp8 import Fp8Block, Fp8Shaped, scale_grid
 
 
-class DeviceFp8:
+class DeviceFp8(Fp8Shaped):
     dtype = np.dtype(np.uint8)  # the weight bytes; the scales ride along in nbytes
 
     def __init__(self, data, scale_inv):
@@ -31,11 +31,3 @@ class DeviceFp8:
     @classmethod
     def upload(cls, block: Fp8Block) -> "DeviceFp8":
         return cls(cp.asarray(np.ascontiguousarray(block.data)), cp.asarray(np.ascontiguousarray(block.scale_inv)))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.data.shape
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes + self.scale_inv.nbytes)

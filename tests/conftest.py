@@ -19,3 +19,10 @@ def fixture_dir(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def no_mtp_dir(tmp_path_factory):
+    """The `small` preset without its MTP block (seed 1): a checkpoint native-mtp cannot draft for."""
+    cfg = {**preset("small"), "num_nextn_predict_layers": 0}
+    return write_fixture(tmp_path_factory.mktemp("no-mtp"), cfg, seed=1)

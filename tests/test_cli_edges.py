@@ -16,7 +16,6 @@ import sys
 import pytest
 from cli_helpers import ROOT, run_cli
 
-from memra.checkpoint import write_fixture
 from memra.cli import main as cli_main
 from memra.config import preset
 from memra.errors import InputError
@@ -28,9 +27,8 @@ def small(fixture_dir):
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    cfg = {**preset("small"), "num_nextn_predict_layers": 0}
-    return write_fixture(tmp_path_factory.mktemp("ckpt"), cfg, seed=1)
+def ckpt(no_mtp_dir):
+    return no_mtp_dir
 
 
 def raw_cli(*args, stdin: bytes | None = None, close: tuple = ()) -> subprocess.CompletedProcess:

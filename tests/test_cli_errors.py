@@ -18,9 +18,8 @@ def ckpt(fixture_dir):
 
 
 @pytest.fixture(scope="module")
-def no_mtp(tmp_path_factory):
-    cfg = {**preset("small"), "num_nextn_predict_layers": 0}
-    return write_fixture(tmp_path_factory.mktemp("no-mtp"), cfg, seed=1)
+def no_mtp(no_mtp_dir):
+    return no_mtp_dir
 
 
 CASES = [

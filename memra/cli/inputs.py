@@ -33,7 +33,8 @@ class Source:
 
 def model_source(args, err=sys.stderr) -> Source:
     if args.checkpoint is None:
-        return Source(demo_target(), True, read_generation_config(demo_target()))
+        path = demo_target()
+        return Source(path, True, read_generation_config(path))
     path = os.path.expanduser(args.checkpoint)
     if not os.path.isdir(path):
         raise ConfigError(f"--checkpoint {args.checkpoint}: no such directory; point it at a checkpoint "

@@ -5,6 +5,8 @@ import pytest
 from memra import load_model
 from memra.drafters import registry
 
+from .dflash2_helpers import TRUNKS
+
 
 @pytest.fixture(scope="module")
 def target(fixture_dir):
@@ -33,6 +35,16 @@ def plugged(fresh):
     yield register
     for name in added:
         registry.plugin_manager().unregister(name=name)
+
+
+@pytest.fixture(scope="module", params=TRUNKS, ids=[name for name, _ in TRUNKS])
+def trunk(request, fixture_dir):
+    """Each of the `mini` and `small` targets on numpy, tagged with its preset name (the DFlash
+    source tests run on both trunks)."""
+    name, seed = request.param
+    m = load_model(fixture_dir(name, seed=seed), backend="numpy")
+    m.preset_name = name
+    return m
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,23 @@ from memra.drafters.dflash2 import write_fixture_drafter
 from memra.safetensors_io import bf16_to_f32, read_safetensors, write_safetensors
 
 F32 = np.float32
+TRUNKS = (("mini", 0), ("small", 13))            # (preset, fixture seed) the source tests run on
+TAPS = {"mini": (0, 2), "small": (0, 2, 4)}     # room for the +1 tap shift in both trunks
+
+
+def drafter_maker(model, tmp_path_factory, prefix: str, seed: int, variants: dict, **common):
+    """make(variant, **extra) -> a fixture drafter dir for `model`'s trunk, written once per key."""
+    made = {}
+
+    def make(variant: str = "dflash", **extra) -> str:
+        key = (variant, tuple(sorted(extra.items())))
+        if key not in made:
+            shape = {"target_layer_ids": TAPS[model.preset_name], **common, **variants[variant], **extra}
+            made[key] = write_fixture_drafter(tmp_path_factory.mktemp(f"{prefix}-{variant}"),
+                                              preset(model.preset_name), seed=seed, **shape)
+        return made[key]
+
+    return make
 
 
 def drafter(tmp_path, name="d", target_name="small", **shape):

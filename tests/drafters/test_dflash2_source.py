@@ -10,17 +10,15 @@ context really grows by multi-row verify taps.
 import numpy as np
 import pytest
 
-import memra
-from memra.config import preset
-from memra.drafters.dflash2 import DFlash2Source, write_fixture_drafter
+from memra.drafters.dflash2 import DFlash2Source
 from memra.drafters.dflash2.window import ladder_vt
 from memra.errors import CheckpointError, InputError, MemraError
 from memra.generate import generate
 from memra.speculative.contract import SamplingParams, SparseQ
 from memra.speculative.session import GateInstruments, SpecSession
 
-MODELS = (("mini", 0), ("small", 13))
-TAPS = {"mini": (0, 2), "small": (0, 2, 4)}     # room for the +1 tap shift in both trunks
+from .dflash2_helpers import TAPS, TRUNKS, drafter_maker
+
 PROMPT_LEN, MAX_CTX, N = 24, 192, 24
 VARIANTS = {
     "dflash": {"strategy": "dflash"},
@@ -31,27 +29,14 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=MODELS, ids=[name for name, _ in MODELS])
-def model(request, fixture_dir):
-    name, seed = request.param
-    m = memra.load_model(fixture_dir(name, seed=seed), backend="numpy")
-    m.preset_name = name
-    return m
+@pytest.fixture(scope="module")
+def model(trunk):
+    return trunk
 
 
 @pytest.fixture(scope="module")
 def drafter_dir(model, tmp_path_factory):
-    made = {}
-
-    def make(variant: str = "dflash", **extra) -> str:
-        key = (variant, tuple(sorted(extra.items())))
-        if key not in made:
-            shape = {"target_layer_ids": TAPS[model.preset_name], **VARIANTS[variant], **extra}
-            made[key] = write_fixture_drafter(tmp_path_factory.mktemp(f"dflash2-{variant}"),
-                                              preset(model.preset_name), seed=0, **shape)
-        return made[key]
-
-    return make
+    return drafter_maker(model, tmp_path_factory, "dflash2", 0, VARIANTS)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +129,7 @@ def test_missing_or_wrong_path_is_refused(model, drafter_dir, prompt, tmp_path, 
     with pytest.raises(CheckpointError, match="no config.json"):
         DFlash2Source().load(model, {"path": str(tmp_path)})
     with pytest.raises(MemraError):   # a target checkpoint is not a drafter
-        DFlash2Source().load(model, {"path": fixture_dir(model.preset_name, seed=dict(MODELS)[model.preset_name])})
+        DFlash2Source().load(model, {"path": fixture_dir(model.preset_name, seed=dict(TRUNKS)[model.preset_name])})
 
 
 @pytest.mark.parametrize("options, match", [

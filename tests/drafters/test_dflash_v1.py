@@ -11,7 +11,6 @@ load through the `dflash2` source by tensor census and draft each harvested row 
 import numpy as np
 import pytest
 
-import memra
 from memra.config import preset
 from memra.drafters.dflash2 import DFlash2Source, DflashDraft, write_fixture_drafter
 from memra.errors import CheckpointError
@@ -21,11 +20,9 @@ from memra.speculative.sampling import SamplingParams, filtered_probs
 from memra.speculative.session import GateInstruments, SpecSession
 from tests.speculative.battery import Oracle, run_bursts
 
-from .dflash2_helpers import F32, ctx_rows, rewrite
+from .dflash2_helpers import F32, TAPS, ctx_rows, drafter_maker, rewrite
 from .test_dflash2_model import _f64, _naive_attention, _naive_mlp, _naive_norm
 
-MODELS = (("mini", 0), ("small", 13))
-TAPS = {"mini": (0, 2), "small": (0, 2, 4)}
 PROMPT_LEN, MAX_CTX, N = 16, 160, 20
 VARIANTS = {   # the seed's two checkpoint kinds: a z-lab DFlash v1 and a DSpark (q38 arm-a) export
     "v1": {"strategy": "dflash"},
@@ -33,26 +30,14 @@ VARIANTS = {   # the seed's two checkpoint kinds: a z-lab DFlash v1 and a DSpark
 }
 
 
-@pytest.fixture(scope="module", params=MODELS, ids=[name for name, _ in MODELS])
-def model(request, fixture_dir):
-    name, seed = request.param
-    m = memra.load_model(fixture_dir(name, seed=seed), backend="numpy")
-    m.preset_name = name
-    return m
+@pytest.fixture(scope="module")
+def model(trunk):
+    return trunk
 
 
 @pytest.fixture(scope="module")
 def path(model, tmp_path_factory):
-    made = {}
-
-    def make(variant: str) -> str:
-        if variant not in made:
-            made[variant] = write_fixture_drafter(
-                tmp_path_factory.mktemp(f"v1-{variant}"), preset(model.preset_name), seed=4, family="dflash",
-                target_layer_ids=TAPS[model.preset_name], **VARIANTS[variant])
-        return made[variant]
-
-    return make
+    return drafter_maker(model, tmp_path_factory, "v1", 4, VARIANTS, family="dflash")
 
 
 @pytest.fixture(scope="module")

@@ -34,9 +34,12 @@ from benchmarks.common import (  # noqa: E402
     model_args, model_config, moe_layer_count, prime_context, random_tokens, record_header, roof_gbs,
     state_bytes, timed_call, weight_bytes,
 )
+from benchmarks.kernel_profile import kernel_profile  # noqa: E402
 
 WARMUP_PROMPT = 32   # tokens of the untimed prime that compiles every kernel family
 COUNTED_STEPS = 4    # eager decode steps run again with launches counted (counting slows the host)
+PROFILED_STEPS = 16  # steps run again under the kernel profiler (graph replay where captured)
+PROFILE_LINES = 16   # kernel families on the card (the JSON has them all)
 
 
 def prefill(model, lengths: list[int], seed: int) -> dict:
@@ -85,7 +88,7 @@ def timed_steps(model, cache, token: int, steps: int):
 
 
 def decode(model, args, roof: float | None) -> dict:
-    room = 2 * (WARMUP_STEPS + args.steps) + COUNTED_STEPS
+    room = 2 * (WARMUP_STEPS + args.steps) + COUNTED_STEPS + PROFILED_STEPS
     cache, token = prime_context(model, args.context, room, args.seed)
     modes = ("eager", "graph") if cache.walks.enabled else ("eager",)  # a runner that captures graphs
     runs = {}
@@ -95,7 +98,10 @@ def decode(model, args, roof: float | None) -> dict:
     state = state_bytes(model, cache, rows=1)
     cache.walks.enabled = False  # a replayed graph launches nothing through `launch`
     with counted_launches() as launches:
-        greedy_steps(model, cache, token, COUNTED_STEPS)
+        _, token = greedy_steps(model, cache, token, COUNTED_STEPS)
+    cache.walks.enabled = modes[-1] == "graph"
+    profile = None if not launches else kernel_profile(
+        lambda: greedy_steps(model, cache, token, PROFILED_STEPS), PROFILED_STEPS, list(launches))
     # t = 1: the k experts a row picks are distinct, so k per MoE layer is exact
     weights = weight_bytes(model, [model.cfg.num_experts_per_tok] * moe_layer_count(model), rows=1)
     head = runs[modes[-1]]
@@ -109,7 +115,7 @@ def decode(model, args, roof: float | None) -> dict:
         "launches_per_step": None if launches is None else sum(launches.values()) / COUNTED_STEPS,
         "launches_by_kernel": None if launches is None else {
             k: v / COUNTED_STEPS for k, v in sorted(launches.items())},
-        "eager": runs["eager"], "graph_replay": runs.get("graph"),
+        "eager": runs["eager"], "graph_replay": runs.get("graph"), "kernel_profile": profile,
     }
 
 
@@ -132,6 +138,13 @@ def card(record: dict) -> list[str]:
                          f"({100 * run['host_share']:5.1f}% of a step)")
     if launches is not None:
         lines.append(f"  {launches:.0f} memra launches per eager step")
+    prof = d.get("kernel_profile")
+    if prof:
+        lines.append(f"  kernels {prof['kernel_us_per_step'] / 1e3:.3f} ms/step of GPU time, "
+                     f"GPU idle {100 * prof['idle_share']:.1f}% of the span")
+        for name, f in list(prof["families"].items())[:PROFILE_LINES]:
+            lines.append(f"    {100 * f['share']:5.1f}%  {f['us_per_step']:8.1f} us/step  "
+                         f"{f['calls_per_step']:5.1f} calls  {name}")
     return lines
 
 

@@ -40,6 +40,9 @@
 #ifndef HC_CHUNK
 #define HC_CHUNK 2048
 #endif
+#ifndef HC_SLOTS
+#define HC_SLOTS 4
+#endif
 #ifndef KDA_MAX_CONV
 #define KDA_MAX_CONV 16
 #endif

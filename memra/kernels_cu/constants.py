@@ -31,6 +31,7 @@ FP8_BLOCK = 128   # FP8 weights: one scale per FP8_BLOCK x FP8_BLOCK block (the 
 # hyper.cu
 HC_MAX_N = 8                  # streams: C lives in a local array; hc_weights runs n^2 threads
 HC_CHUNK = MEMRA_BLOCK * 8    # flattened stream elements per hc_partials block
+HC_SLOTS = 4                  # fn dots (or the sum of squares) per hc_partials block
 
 # kda.cu
 KDA_MAX_CONV = 16   # conv taps held in registers
@@ -57,6 +58,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "VERIFY_CAP": VERIFY_CAP,
     "HC_MAX_N": HC_MAX_N,
     "HC_CHUNK": HC_CHUNK,
+    "HC_SLOTS": HC_SLOTS,
     "KDA_MAX_CONV": KDA_MAX_CONV,
     "KDA_MAX_DK": KDA_MAX_DK,
     "ATT_POS": ATT_POS,

@@ -12,9 +12,11 @@
 // warps' running sums are added in warp order (MmaTile, as for bf16). All of it depends on n_in
 // only, never on t, so row r of a t-row call is bit-identical to the row alone.
 // Loads: lane (g = lane / 4, q = lane % 4) reads 16 bytes of each of its weight rows per 64-wide
-// half block: in-features h0 + 16 q .. h0 + 16 q + 15. In k-step s of that half, MMA k-index 2q + i
-// (i < 2) stands for in-feature h0 + 16 q + 4 s + i and 2q + 8 + i for h0 + 16 q + 4 s + 2 + i,
-// the same bijection for weights and activations.
+// half block: in-features h0 + 16 q .. h0 + 16 q + 15, both halves loaded before the block's
+// first MMA. In k-step s of a half, with c = h0 + 16 q + 4 s, MMA k-indices 2q, 2q + 1 stand for
+// in-features c, c + 2 and 2q + 8, 2q + 9 for c + 1, c + 3 (the pairs that one 32-bit word of
+// bytes widens into most cheaply, see e4m3x4_to_bf16x2), the same bijection for weights and
+// activations.
 #pragma once
 
 #include "constants.cuh"
@@ -22,39 +24,43 @@
 
 static_assert(FP8_BLOCK == 128, "a block is two 64-wide halves of 16-byte loads per lane");
 
-// Two e4m3 bytes (low byte: the lower in-feature) -> two bf16 in one word, low half first, exactly:
-// the cvt gives normal f16 values whose low 7 mantissa bits are zero, rebased to bf16's exponent.
-static __device__ __forceinline__ unsigned e4m3x2_to_bf16x2(unsigned short pair) {
-    unsigned h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
-    unsigned out = 0u;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-        const unsigned h = (h2 >> (16 * e)) & 0xffffu, mag = h & 0x7fffu;
-        const unsigned b = (h & 0x8000u) | (mag ? (mag >> 3) + (112u << 7) : 0u);  // 112 = 127 - 15
-        out |= b << (16 * e);
-    }
+// bf16x2 v times 2^120, exactly (bf16 2^120 is 0x7B80; adding -0 keeps every sign, +0 and -0 too).
+static __device__ __forceinline__ unsigned times_2_120(unsigned v) {
+    unsigned out;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(v), "r"(0x7B807B80u), "r"(0x80008000u));
     return out;
 }
 
-// Sixteen e4m3 weights of a row from in-feature k (zeros past n_in or for a missing row) as
-// eight bf16 pairs: word j holds in-features k + 2j (low) and k + 2j + 1.
-static __device__ __forceinline__ void load_w16_fp8(const unsigned char* row, int k, int n_in, bool aligned,
-                                                   unsigned (&w)[8]) {
-    uint4 v;
-    if (row != nullptr && aligned && k + 16 <= n_in) {
-        v = *reinterpret_cast<const uint4*>(row + k);
-    } else {
-        unsigned b[4] = {0u, 0u, 0u, 0u};
-        for (int j = 0; j < 16; ++j)
-            if (row != nullptr && k + j < n_in) b[j / 4] |= (unsigned)row[k + j] << (8 * (j % 4));
-        v = make_uint4(b[0], b[1], b[2], b[3]);
-    }
+// Four e4m3 bytes (byte i: in-feature c + i) -> bf16x2 words (c, c + 2) and (c + 1, c + 3), low
+// half first, exactly. A byte's sign moved to bit 15 and its 7 exponent|mantissa bits to bits
+// 4..10 make a bf16 worth the e4m3 value times 2^-120 (biases 7 and 127; an e4m3 subnormal lands
+// on the bf16 subnormal of the same scaled value), which times_2_120 restores. Load refuses the
+// NaN codes 0x7F / 0xFF (checkpoint_fp8.py), so no code here needs them.
+static __device__ __forceinline__ void e4m3x4_to_bf16x2(unsigned x, unsigned& even, unsigned& odd) {
+    even = times_2_120(((x << 4) & 0x07f007f0u) | ((x << 8) & 0x80008000u));
+    odd = times_2_120(((x >> 4) & 0x07f007f0u) | (x & 0x80008000u));
+}
+
+// Sixteen e4m3 bytes of a row from in-feature k (zeros past n_in or for a missing row), raw.
+static __device__ __forceinline__ uint4 load_b16(const unsigned char* row, int k, int n_in, bool aligned) {
+    if (row != nullptr && aligned && k + 16 <= n_in) return *reinterpret_cast<const uint4*>(row + k);
+    unsigned b[4] = {0u, 0u, 0u, 0u};
+    for (int j = 0; j < 16; ++j)
+        if (row != nullptr && k + j < n_in) b[j / 4] |= (unsigned)row[k + j] << (8 * (j % 4));
+    return make_uint4(b[0], b[1], b[2], b[3]);
+}
+
+// Eight activations in the k-order above: (x0, x2, x1, x3, x4, x6, x5, x7), so split_pieces packs
+// the words (x0, x2), (x1, x3), (x4, x6), (x5, x7) that meet the widened weight words.
+static __device__ __forceinline__ void load_x8_fp8(const float* row, int k, int n_in, bool aligned, float (&v)[8]) {
+    float a[8];
+    load_x8(row, k, n_in, aligned, a);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const unsigned x = word(v, i);
-        w[2 * i] = e4m3x2_to_bf16x2((unsigned short)(x & 0xffffu));
-        w[2 * i + 1] = e4m3x2_to_bf16x2((unsigned short)(x >> 16));
+    for (int i = 0; i < 8; i += 4) {
+        v[i] = a[i];
+        v[i + 1] = a[i + 2];
+        v[i + 2] = a[i + 1];
+        v[i + 3] = a[i + 3];
     }
 }
 
@@ -96,19 +102,29 @@ static __device__ void mma_tile_fp8(const unsigned char* const (&wrow)[J][2], co
             for (int n = 0; n < NT; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) part[j][n][i] = 0.0f;
+        uint4 raw[2][J][2];  // the whole block's bytes in flight before the first MMA: [half][j][h]
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int k = kb + 64 * half + 16 * q;
-            unsigned wv[J][2][8];
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
             for (int j = 0; j < J; ++j)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) load_w16_fp8(wrow[j][h], k, n_in, w_aligned, wv[j][h]);
+                for (int h = 0; h < 2; ++h) raw[half][j][h] = load_b16(wrow[j][h], kb + 64 * half + 16 * q, n_in, w_aligned);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int k = kb + 64 * half + 16 * q;
+            unsigned wv[J][2][8];  // word 2s: in-features (c, c + 2), word 2s + 1: (c + 1, c + 3)
+#pragma unroll
+            for (int j = 0; j < J; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        e4m3x4_to_bf16x2(word(raw[half][j][h], i), wv[j][h][2 * i], wv[j][h][2 * i + 1]);
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 float xa[8], xb[8];
-                load_x8(xrow[n], k, n_in, x_aligned, xa);
-                load_x8(xrow[n], k + 8, n_in, x_aligned, xb);
+                load_x8_fp8(xrow[n], k, n_in, x_aligned, xa);
+                load_x8_fp8(xrow[n], k + 8, n_in, x_aligned, xb);
                 unsigned pa[3][4], pb[3][4];
                 split_pieces(xa, pa);
                 split_pieces(xb, pb);

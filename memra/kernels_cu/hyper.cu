@@ -26,38 +26,38 @@ static __device__ void hc_normalise(float* c, int n, int a, int b, bool columns,
 
 // Site weights in two launches, so the (2+n)n x nD matvec spreads over many blocks instead of
 // one block per row: hc_partials takes fixed chunks of HC_CHUNK flattened elements (a split
-// size, never a count) and writes each chunk's sum of squares and (2+n)n dots with fn;
+// size, never a count) and writes each chunk's (2+n)n dots with fn and its sum of squares (the
+// chunk's slots; blockIdx.z takes HC_SLOTS of them, so a row's few chunks still fill the GPU);
 // hc_weights adds the chunks in order, normalises (m = inv_rms * fn x) and runs the epilogue.
 static_assert(HC_CHUNK == 8 * MEMRA_BLOCK, "thread i of a chunk owns its elements 8i .. 8i + 7");
 #define HC_MAX_OUTS ((2 + HC_MAX_N) * HC_MAX_N)
 
-// grid (ceil(nD / HC_CHUNK), t), block MEMRA_BLOCK. part [t, chunks, outs + 1]: the dots, then ss.
+// grid (ceil(nD / HC_CHUNK), t, ceil(((2+n)n + 1) / HC_SLOTS)), block MEMRA_BLOCK.
+// part [t, chunks, outs + 1]: slot j < outs the dot with fn row j, slot outs the sum of squares.
+// Each slot: thread i's 8 products in order, the warp butterfly, the warps in order.
 extern "C" __global__ void hc_partials(const float* __restrict__ streams, const float* __restrict__ fn,
                                        float* __restrict__ part, int n, int d) {
-    __shared__ float red[WARPS_PER_BLOCK][HC_MAX_OUTS + 1];
+    __shared__ float red[WARPS_PER_BLOCK][HC_SLOTS];
     const int r = blockIdx.y, c = blockIdx.x, chunks = gridDim.x, nd = n * d, outs = (2 + n) * n;
+    const int j0 = blockIdx.z * HC_SLOTS, j1 = min(j0 + HC_SLOTS, outs + 1);
     const int k0 = c * HC_CHUNK + threadIdx.x * 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float* x = streams + (long long)r * nd;
     float xv[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) xv[e] = k0 + e < nd ? x[k0 + e] : 0.0f;
-    float ss = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) ss += xv[e] * xv[e];
-    ss = hc_warp_sum(ss);
-    if (lane == 0) red[warp][outs] = ss;
-    for (int j = 0; j < outs; ++j) {
-        const float* w = fn + (long long)j * nd;
+    for (int j = j0; j < j1; ++j) {
+        const float* w = j < outs ? fn + (long long)j * nd : nullptr;
         float acc = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc += (k0 + e < nd ? w[k0 + e] : 0.0f) * xv[e];
+        for (int e = 0; e < 8; ++e)
+            acc += (k0 + e < nd ? (w != nullptr ? w[k0 + e] : xv[e]) : 0.0f) * xv[e];
         acc = hc_warp_sum(acc);
-        if (lane == 0) red[warp][j] = acc;
+        if (lane == 0) red[warp][j - j0] = acc;
     }
     __syncthreads();
-    for (int j = threadIdx.x; j <= outs; j += MEMRA_BLOCK) {
-        float sum = red[0][j];
-        for (int v = 1; v < WARPS_PER_BLOCK; ++v) sum += red[v][j];
+    for (int j = j0 + threadIdx.x; j < j1; j += MEMRA_BLOCK) {
+        float sum = red[0][j - j0];
+        for (int v = 1; v < WARPS_PER_BLOCK; ++v) sum += red[v][j - j0];
         part[((long long)r * chunks + c) * (outs + 1) + j] = sum;
     }
 }

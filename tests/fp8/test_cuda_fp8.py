@@ -28,7 +28,7 @@ from memra.backend.cuda.backend import CudaBackend  # noqa: E402
 from memra.backend.cuda.dense import DenseOps  # noqa: E402
 from memra.backend.cuda.fp8 import DeviceFp8  # noqa: E402
 from memra.backend.cuda.moe import MoeOps  # noqa: E402
-from memra.backend.fp8 import Fp8Block, dequantize, f32_to_e4m3, quantize  # noqa: E402
+from memra.backend.fp8 import E4M3_TO_F32, NAN_CODES, Fp8Block, dequantize, f32_to_e4m3, quantize  # noqa: E402
 from tests.backend.harness import (  # noqa: E402
     NUMPY, ROWS, OpGates, RedArm, assert_matches_numpy, draw, row_mismatches, split_dot, table)
 from tests.backend.inputs import normal, uniform  # noqa: E402
@@ -43,9 +43,9 @@ class Fp8Ops(DenseOps, MoeOps):
     weight = CudaBackend.weight
 
 
-def _fp8(rng, shape, std):
-    # a spread of row magnitudes so the 128-row scale blocks differ
-    return quantize(normal(rng, shape, std) * uniform(rng, (*shape[:-1], 1), 0.2, 5.0))
+def _fp8(rng, shape, std, spread=5.0):
+    # row magnitudes in [1/spread, spread] so the 128-row scale blocks differ
+    return quantize(normal(rng, shape, std) * uniform(rng, (*shape[:-1], 1), 1 / spread, spread))
 
 
 def _make_linear(d_in, d_out):
@@ -63,7 +63,9 @@ def _experts(e, inter, d, k, limit=10.0):
         idx = np.sort(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), axis=1)
         rows = {"x": normal(rng, (t, d)), "idx": idx.astype(np.int64), "wts": uniform(rng, (t, k), 0.1, 2.5)}
         shapes = ((e, inter, d), (e, inter, d), (e, d, inter))
-        mats = [_fp8(rng, shape, shape[-1] ** -0.5) for shape in shapes]
+        # a milder spread than a projection's: gate, up and down multiply theirs into one output,
+        # and a 0.2-5 spread cubed puts outputs near 0.03 in rows that reach 140
+        mats = [_fp8(rng, shape, shape[-1] ** -0.5, spread=2.0) for shape in shapes]
         return rows, dict(zip(("gate_w", "up_w", "down_w"), mats))
 
     def call(be, r, s):
@@ -125,6 +127,31 @@ def test_fp8_identity_returns_the_scaled_activations_bit_for_bit(n):
     block, x, want = _identity(n, [1.0, 0.5, 4.0, 0.125])
     got = cp.asnumpy(Fp8Ops().linear(cp.asarray(x), Fp8Ops().matrix(block)))
     assert np.array_equal(got, want)
+
+
+def _every_code():
+    """A [1, 254] row holding every finite e4m3 code once, unit scales, and the 254 one-hot rows
+    that read each code alone (a prime-class call: t > 15 rows go through the same tile)."""
+    codes = np.array([c for c in range(256) if c not in NAN_CODES], np.uint8)
+    block = Fp8Block(codes[None, :], np.ones((1, 2), np.float32))
+    return block, np.eye(codes.size, dtype=np.float32), E4M3_TO_F32[codes]
+
+
+def test_every_e4m3_code_widens_to_its_value():
+    """All 254 finite codes, subnormals and both signs included, in every byte lane of a word."""
+    block, x, want = _every_code()
+    got = cp.asnumpy(Fp8Ops().linear(cp.asarray(x), Fp8Ops().matrix(block)))[:, 0]
+    assert np.array_equal(got, want), np.flatnonzero(got != want)
+
+
+def test_red_arm_a_lost_sign_bit_fails_the_code_table(monkeypatch, tmp_path):
+    block, x, want = _every_code()
+    launch = _mutated_launch(monkeypatch, tmp_path, "exact_mma_fp8.cuh", "(x & 0x80008000u)",
+                             "(x & 0x00008000u)", "dense")
+    with monkeypatch.context() as m:
+        m.setattr(dense, "launch", launch)
+        got = cp.asnumpy(Fp8Ops().linear(cp.asarray(x), Fp8Ops().matrix(block)))[:, 0]
+    assert not np.array_equal(got, want)
 
 
 def _mutated_launch(monkeypatch, tmp_path, header, exact, broken, family):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import cupy as cp
 
 from memra.backend.cuda.runtime import BLOCK, device_input, f32, grid_1d, i32, launch
-from memra.kernels_cu.constants import HC_CHUNK, HC_MAX_N
+from memra.kernels_cu.constants import HC_CHUNK, HC_MAX_N, HC_SLOTS
 
 
 class HyperOps:
@@ -30,7 +30,8 @@ class HyperOps:
         if t:
             chunks = (n * d + HC_CHUNK - 1) // HC_CHUNK
             part = cp.empty((t, chunks, (2 + n) * n + 1), cp.float32)
-            launch("hyper", "hc_partials", (chunks, t), (BLOCK,), (streams, fn, part, i32(n), i32(d)))
+            slots = ((2 + n) * n + 1 + HC_SLOTS - 1) // HC_SLOTS
+            launch("hyper", "hc_partials", (chunks, t, slots), (BLOCK,), (streams, fn, part, i32(n), i32(d)))
             launch("hyper", "hc_weights", (t,), (HC_MAX_N * HC_MAX_N,),
                    (part, base, scale, pre, post, comb, i32(n), i32(d), i32(chunks), f32(rms_eps),
                     f32(hc_eps), i32(iters)))

@@ -1,0 +1,61 @@
+"""Per-kernel GPU time of a run of decode steps, read from CUPTI through torch.profiler.
+
+CUPTI records every kernel the process launches, cupy's RawModule kernels and the nodes of a
+replayed CUDA graph included, with its device start and end; so the shares below are GPU time,
+not host-call time. torch serves here only as the profiler front end (a benchmark tool, like
+the peers in peers.py); without torch, or without kernels recorded, the profile is None.
+
+    prof = kernel_profile(lambda: greedy_steps(model, cache, token, 16), 16, list(launches))
+    prof["families"]["dense.linear_bf16_split_n1"]["share"]   # of the summed kernel time
+"""
+
+from __future__ import annotations
+
+
+def _family(name: str, owner: dict[str, str]) -> str:
+    """'dense.linear_bf16_n1' for a memra kernel (owner: kernel name -> its kernels_cu module),
+    the bare name for anything else (a copy, a memset)."""
+    base = name.split("(")[0].strip()
+    return f"{owner[base]}.{base}" if base in owner else name
+
+
+def _busy_us(spans: list[tuple[float, float]]) -> float:
+    """Microseconds covered by at least one of the (start, end) spans."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
+def kernel_profile(run, steps: int, launched: list[str]) -> dict | None:
+    """Profile run() (steps decode steps): kernel GPU time per family and per step, its share
+    of the summed kernel time, and the GPU's idle share of the span (launch gaps, host waits).
+    launched: the 'module.kernel' names counted_launches saw, to name each kernel's module."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    if not kernels:
+        return None
+    owner = dict(reversed(k.split(".", 1)) for k in launched)
+    per, spans = {}, []
+    for e in kernels:
+        start, end = e.time_range.start, e.time_range.end
+        spans.append((start, end))
+        fam = per.setdefault(_family(e.name, owner), {"us": 0.0, "calls": 0})
+        fam["us"] += end - start
+        fam["calls"] += 1
+    total = sum(f["us"] for f in per.values())
+    span = max(e for _, e in spans) - min(s for s, _ in spans)
+    families = {name: {"us_per_step": f["us"] / steps, "calls_per_step": f["calls"] / steps,
+                       "share": f["us"] / total}
+                for name, f in sorted(per.items(), key=lambda kv: -kv[1]["us"])}
+    return {"steps": steps, "kernel_us_per_step": total / steps, "span_us_per_step": span / steps,
+            "busy_us_per_step": _busy_us(spans) / steps, "idle_share": 1 - _busy_us(spans) / span,
+            "families": families}

@@ -13,8 +13,17 @@ import sys
 from pathlib import Path
 
 
+PROFILE_ROWS = 12  # kernel families listed per decode record; the rest in one row
+
+
 def _head(path: str, r: dict) -> str:
     return f"`{Path(path).name}` ({r['device']}, {r['date']}, git {r['git_sha'][:7]}):"
+
+
+def _preset(r: dict) -> str:
+    """The preset, with the weights' dtype where the record names one ("bench (fp8)")."""
+    weights = r["config"].get("weights", "")
+    return r["config"]["preset"] + (f" ({weights.split(',')[0]})" if weights.startswith("fp8") else "")
 
 
 def ops(path: str, r: dict) -> list[str]:
@@ -44,15 +53,26 @@ def decode(path: str, r: dict) -> list[str]:
            "weights/step | of copy bw | host share | "
            + " | ".join(f"prefill {p['tokens']} tok/s" for p in r["prefill"].values()) + " |",
            "|---" * (7 + len(r["prefill"])) + "|"]
-    out.append(f"| {r['config']['preset']} | {d['ms_per_step']:.2f} | {eager['ms_per_step']:.2f} | {d['tokens_per_s']:.1f} | "
+    out.append(f"| {_preset(r)} | {d['ms_per_step']:.2f} | {eager['ms_per_step']:.2f} | {d['tokens_per_s']:.1f} | "
                f"{d['weight_bytes_per_step'] / 1e9:.2f} GB | {100 * frac:.0f}% | {100 * d['host_share']:.0f}% | "
                + " | ".join(f"{p['tokens_per_s']:.0f}" for p in r["prefill"].values()) + " |")
+    prof = d.get("kernel_profile")
+    if prof:  # records before the per-kernel profile have none
+        out += ["", f"| kernel (GPU time of a replayed step: {prof['kernel_us_per_step'] / 1e3:.2f} ms; GPU idle "
+                f"{100 * prof['idle_share']:.0f}% of the span) | us/step | calls/step | share |", "|---|---|---|---|"]
+        families = list(prof["families"].items())
+        for name, f in families[:PROFILE_ROWS]:
+            out.append(f"| {name} | {f['us_per_step']:.0f} | {f['calls_per_step']:.0f} | {100 * f['share']:.1f}% |")
+        rest = families[PROFILE_ROWS:]
+        if rest:
+            out.append(f"| {len(rest)} others | {sum(f['us_per_step'] for _, f in rest):.0f} | "
+                       f"{sum(f['calls_per_step'] for _, f in rest):.0f} | {100 * sum(f['share'] for _, f in rest):.1f}% |")
     return out
 
 
 def verify(path: str, r: dict) -> list[str]:
     walks = list(r["verify"].values())
-    out = [_head(path, r), "", f"| {r['config']['preset']}: rows t | " + " | ".join(str(w["rows"]) for w in walks) + " |",
+    out = [_head(path, r), "", f"| {_preset(r)}: rows t | " + " | ".join(str(w["rows"]) for w in walks) + " |",
            "|---" * (len(walks) + 1) + "|",
            "| verify / decode step | " + " | ".join(f"{w['ratio_to_decode']:.2f}" for w in walks) + " |"]
     return out

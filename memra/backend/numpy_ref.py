@@ -245,9 +245,10 @@ class NumpyBackend:
         return (out / F32(streams.shape[1])).astype(F32)
 
     # ---- KDA ------------------------------------------------------------------------------------
-    def short_conv(self, x: np.ndarray, ring: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def short_conv(self, x: np.ndarray, ring: np.ndarray, w: np.ndarray, rows=None) -> np.ndarray:
         """Causal depthwise conv + SiLU over t rows; ring [K-1, C] holds the previous inputs
-        (oldest first) and is advanced in place. w [C, K]; tap K-1 meets the current row."""
+        (oldest first) and is advanced in place. w [C, K]; tap K-1 meets the current row.
+        rows [>= t-1, K-1, C] (optional): rows[r] = the ring after row r, for r < t - 1."""
         k = w.shape[1]
         out = np.empty_like(x)
         for r in range(x.shape[0]):
@@ -259,6 +260,8 @@ class NumpyBackend:
             if k > 1:
                 ring[:-1] = ring[1:]
                 ring[-1] = x[r]
+            if rows is not None and r < x.shape[0] - 1:
+                rows[r] = ring
         return out
 
     def kda_gate(self, f: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray, lower_bound) -> np.ndarray:
@@ -270,8 +273,9 @@ class NumpyBackend:
         soft = np.where(z > 20, z, np.log1p(np.exp(np.minimum(z, 20))))
         return (-rate * soft).astype(F32)
 
-    def kda_recurrence(self, q, k, v, g, beta, state: np.ndarray) -> np.ndarray:
-        """Delta rule, rows in order, state [Hk, dk, dv] advanced in place; returns o [t, Hk, dv].
+    def kda_recurrence(self, q, k, v, g, beta, state: np.ndarray, rows=None) -> np.ndarray:
+        """Delta rule, rows in order, state [Hk, dk, dv] advanced in place; returns o [t, Hk, dv];
+        rows [>= t-1, Hk, dk, dv] (optional): rows[r] = the state after row r, for r < t - 1.
 
         S <- S * exp(g)[:, None]; S += k (x) beta (v - S^T k); o = S^T q.
         """
@@ -284,6 +288,8 @@ class NumpyBackend:
                 s = s + np.outer(k[r, h], delta)
                 state[h] = s
                 out[r, h] = q[r, h] @ s
+            if rows is not None and r < t - 1:
+                rows[r] = state
         return out
 
     # ---- DSA kpool indexer and MLA ------------------------------------------------------------

@@ -18,9 +18,12 @@ static __device__ __forceinline__ float kda_warp_sum(float v) {
 
 // x [t, C]; ring [K-1, C] (oldest first, advanced in place); w [C, K], tap K-1 meets the
 // current row; out [t, C] = SiLU(conv). One thread per channel walks the rows in order.
+// rows (may be null): the ring after row r < t - 1 is written at rows + r * row_stride, so a
+// rollback to the first r + 1 rows is a copy (the ring after the last row is `ring` itself).
 extern "C" __global__ void short_conv(const float* __restrict__ x, float* __restrict__ ring,
                                       const float* __restrict__ w, float* __restrict__ out,
-                                      int t, int c, int k) {
+                                      int t, int c, int k, float* __restrict__ rows,
+                                      long long row_stride) {
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= c) return;
     float hist[KDA_MAX_CONV];
@@ -35,6 +38,8 @@ extern "C" __global__ void short_conv(const float* __restrict__ x, float* __rest
             for (int j = 0; j < k - 2; ++j) hist[j] = hist[j + 1];
             hist[k - 2] = xr;
         }
+        if (rows != nullptr && r < t - 1)
+            for (int j = 0; j < k - 1; ++j) rows[r * row_stride + (long long)j * c + ch] = hist[j];
     }
     for (int j = 0; j < k - 1; ++j) ring[(long long)j * c + ch] = hist[j];
 }
@@ -62,10 +67,13 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // q, k, g [t, Hk, dk]; v [t, Hk, dv]; beta [t, Hk]; state [Hk, dk, dv] float32 in place;
 // out [t, Hk, dv]. Grid (Hk, ceil(dv / WARPS_PER_BLOCK)): one warp owns one value column j of S,
 // lane l holding S[l + 32 m, j]. Both dk-reductions: per lane ascending m, then the butterfly.
+// rows (may be null): S after row r < t - 1 is written at rows + r * row_stride ([Hk, dk, dv]),
+// so a rollback to the first r + 1 rows is a copy instead of a replay.
 extern "C" __global__ void kda_recurrence(const float* __restrict__ q, const float* __restrict__ k,
                                           const float* __restrict__ v, const float* __restrict__ g,
                                           const float* __restrict__ beta, float* __restrict__ state,
-                                          float* __restrict__ out, int t, int hk, int dk, int dv) {
+                                          float* __restrict__ out, int t, int hk, int dk, int dv,
+                                          float* __restrict__ rows, long long row_stride) {
     const int h = blockIdx.x, lane = threadIdx.x % 32;
     const int j = blockIdx.y * WARPS_PER_BLOCK + threadIdx.x / 32;
     if (j >= dv) return;  // a whole warp leaves together; no block-wide sync follows
@@ -102,6 +110,14 @@ extern "C" __global__ void kda_recurrence(const float* __restrict__ q, const flo
         }
         qs = kda_warp_sum(qs);
         if (lane == 0) out[vb + j] = qs;
+        if (rows != nullptr && r < t - 1) {
+            float* snap = rows + r * row_stride + (long long)h * dk * dv + j;
+#pragma unroll
+            for (int m = 0; m < KDA_SLOTS; ++m) {
+                const int i = lane + 32 * m;
+                if (i < dk) snap[(long long)i * dv] = s[m];
+            }
+        }
     }
 #pragma unroll
     for (int m = 0; m < KDA_SLOTS; ++m) {

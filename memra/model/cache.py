@@ -17,9 +17,36 @@ from memra.errors import ResidencyError
 
 
 @dataclass
+class KdaRows:
+    """The KDA layers of one cache part (a whole trunk, or one pipeline stage): their live rings
+    and states side by side, and what a verify walk writes for a rollback: ring_rows[r] and
+    state_rows[r] are every layer's ring and state after row r of the walk (r < t - 1). A
+    rollback to keep rows is then two copies, whatever the layer count (DESIGN: the snapshots
+    cost t - 1 state writes a verify walk and VERIFY_CAP - 1 states of memory a layer; replaying
+    the kept rows cost a recurrence launch and its host round trips per layer)."""
+
+    layers: tuple               # trunk layer indices, in slot order
+    ring: object                # [n, K-1, 3C]
+    state: object               # [n, Hk, dk, dv] float32
+    ring_rows: object = None    # [VERIFY_CAP - 1, n, K-1, 3C], made by the first verify walk
+    state_rows: object = None   # [VERIFY_CAP - 1, n, Hk, dk, dv]
+
+    def restore(self, keep: int) -> None:
+        """Every layer back to `keep` rows into the last verify walk (1 <= keep < its t)."""
+        self.ring[...] = self.ring_rows[keep - 1]
+        self.state[...] = self.state_rows[keep - 1]
+
+
+@dataclass
 class KdaState:
-    ring: object   # [K-1, 3C] previous q|k|v projections, oldest first
-    state: object  # [Hk, dk, dv] float32
+    ring: object   # [K-1, 3C] previous q|k|v projections, oldest first (a view of rows.ring)
+    state: object  # [Hk, dk, dv] float32 (a view of rows.state)
+    rows: KdaRows = field(default=None, repr=False)
+    slot: int = 0  # this layer's index in rows
+
+    def snapshots(self) -> tuple:
+        """(ring rows, state rows) of this layer: [VERIFY_CAP - 1, ...] strided views."""
+        return self.rows.ring_rows[:, self.slot], self.rows.state_rows[:, self.slot]
 
 
 @dataclass
@@ -86,7 +113,7 @@ class VerifyCkpt:
     pos: int                       # cache.pos before the walk
     rows: int                      # t, the walk's row count
     latent_len: dict[int, int]     # each DSA plane's length before the walk
-    kda: dict[int, dict]           # per KDA layer: ring/state snapshots + the rows' inputs
+    kda: dict[int, dict]           # per KDA layer: its ring and state before the walk (rewind)
     taps: dict[int, object] = field(default_factory=dict)  # layer -> contracted rows [t, D]
     spent: bool = False
 
@@ -99,6 +126,7 @@ class Cache:
     # would be read against the wrong ones. Every walk, rollback and rewind checks `owner is model`.
     owner: object = field(default=None, repr=False)
     kda: dict[int, KdaState] = field(default_factory=dict)
+    kda_rows: list[KdaRows] = field(default_factory=list)  # one per part (pipeline stage)
     mla: dict[int, LatentPlane] = field(default_factory=dict)
     pos: int = 0
     walks: object = None  # the backend's walk runner for this cache (CUDA: its captured graphs)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from memra.model.cache import KdaState
+from memra.limits import VERIFY_CAP
+from memra.model.cache import KdaRows, KdaState
 
 
 class KdaMixer:
@@ -31,31 +32,38 @@ class KdaMixer:
         self.o_norm = be.weight(w("o_norm.weight"))
         self.o_proj = be.matrix(w("o_proj.weight"))
 
-    def restore(self, st: KdaState, stash: dict, keep: int) -> None:
-        """Put the layer back at `keep` rows past the stash: the ring re-rolled over the kept
-        raw rows, S rebuilt by replaying the kept rows' scans from the snapshot (the same
-        per-row program, so bit-identical to never having run the rest)."""
-        be = self.be
-        window = be.concat([stash["ring"], stash["raw"][:keep]], axis=0)
-        st.ring[...] = window[window.shape[0] - st.ring.shape[0]:]
-        st.state[...] = stash["state"]
-        q, k, v, g, beta = stash["scan"]
-        be.kda_recurrence(q[:keep], k[:keep], v[:keep], g[:keep], beta[:keep], st.state)
+    def new_states(self, layers: tuple) -> tuple[KdaRows, list[KdaState]]:
+        """The live rings and states of these KDA layers (this mixer's shapes), side by side."""
+        be, n = self.be, len(layers)
+        rows = KdaRows(layers=tuple(layers), ring=be.zeros((n, *self._ring_shape())),
+                       state=be.zeros((n, self.heads, self.dk, self.dk)))
+        return rows, [KdaState(ring=rows.ring[j], state=rows.state[j], rows=rows, slot=j) for j in range(n)]
 
     def new_state(self) -> KdaState:
-        cfg, be = self.cfg, self.be
-        ring = be.zeros((cfg.linear_conv_kernel_dim - 1, 3 * cfg.linear_dim))
-        return KdaState(ring=ring, state=be.zeros((self.heads, self.dk, self.dk)))
+        """One layer's ring and state on their own (a part of one layer)."""
+        return self.new_states((None,))[1][0]
+
+    def new_snapshots(self, rows: KdaRows) -> None:
+        """The per-row snapshot buffers a verify walk writes (made once, at the first one)."""
+        if rows.state_rows is None:
+            n, cap = len(rows.layers), VERIFY_CAP - 1
+            rows.ring_rows = self.be.zeros((cap, n, *self._ring_shape()))
+            rows.state_rows = self.be.zeros((cap, n, self.heads, self.dk, self.dk))
+
+    def _ring_shape(self) -> tuple[int, int]:
+        return self.cfg.linear_conv_kernel_dim - 1, 3 * self.cfg.linear_dim
 
     def __call__(self, x, st: KdaState, stash: dict | None = None):
-        """Rows x [t, D] -> [t, D], advancing the conv ring and S in place. With `stash`, keep
-        what a rollback needs: the pre-call ring and state and each row's scan inputs."""
+        """Rows x [t, D] -> [t, D], advancing the conv ring and S in place. With `stash` (a
+        verify walk), keep the pre-call ring and state (rewind) and write the ring and S after
+        each row into the layer's snapshots (rollback)."""
         be, t, hk, dk = self.be, x.shape[0], self.heads, self.dk
         c = hk * dk
         raw = be.linear(x, self.qkv)
+        ring_rows, state_rows = st.snapshots() if stash is not None else (None, None)
         if stash is not None:
-            stash.update(ring=st.ring.copy(), state=st.state.copy(), raw=raw)
-        mixed = be.short_conv(raw, st.ring, self.conv)
+            stash.update(ring=st.ring.copy(), state=st.state.copy())
+        mixed = be.short_conv(raw, st.ring, self.conv, ring_rows)
         heads = lambda cols: be.contiguous(mixed[:, cols]).reshape(t, hk, dk)
         q = be.scale(be.l2norm(heads(slice(0, c)), 1e-6), dk ** -0.5)
         k = be.l2norm(heads(slice(c, 2 * c)), 1e-6)
@@ -63,9 +71,7 @@ class KdaMixer:
         f = be.linear(be.linear(x, self.f_a), self.f_b).reshape(t, hk, dk)
         g = be.kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound)
         beta = be.sigmoid(be.linear(x, self.b_proj))
-        if stash is not None:
-            stash.update(scan=(q, k, v, g, beta))
-        o = be.kda_recurrence(q, k, v, g, beta, st.state)
+        o = be.kda_recurrence(q, k, v, g, beta, st.state, state_rows)
         gate = be.linear(be.linear(x, self.g_a), self.g_b).reshape(t, hk, dk)
         o = be.gated_rmsnorm(o, gate, self.o_norm, self.cfg.rms_norm_eps)
         return be.linear(o.reshape(t, c), self.o_proj)

@@ -88,6 +88,9 @@ class StagedGlm5Model(Glm5Model):
     def _new_planes(self, cache, layers) -> None:
         self._by_stage(layers, lambda part: super(StagedGlm5Model, self)._new_planes(cache, part))
 
+    def _new_snapshots(self, layers, cache) -> None:
+        self._by_stage(layers, lambda part: super(StagedGlm5Model, self)._new_snapshots(part, cache))
+
     def _rollback_layers(self, layers, cache, ckpt, keep: int) -> None:
         self._by_stage(layers, lambda part: super(StagedGlm5Model, self)._rollback_layers(part, cache, ckpt, keep))
 

@@ -78,11 +78,21 @@ class Glm5Model:
         return self.be.walks()
 
     def _new_planes(self, cache: Cache, layers) -> None:
+        kda = [layer for layer in layers if layer.kind == KDA]
+        if kda:
+            rows, states = kda[0].mixer.new_states(tuple(layer.index for layer in kda))
+            cache.kda_rows.append(rows)
+            cache.kda.update({layer.index: st for layer, st in zip(kda, states)})
         for layer in layers:
-            if layer.kind == KDA:
-                cache.kda[layer.index] = layer.mixer.new_state()
-            else:
+            if layer.kind != KDA:
                 cache.mla[layer.index] = layer.mixer.new_plane(cache.max_ctx)
+
+    def _new_snapshots(self, layers, cache: Cache) -> None:
+        """The KDA snapshot buffers of `layers`' parts, at the cache's first verify walk."""
+        by_index = {layer.index: layer for layer in layers}
+        for rows in cache.kda_rows:
+            if rows.layers[0] in by_index:
+                by_index[rows.layers[0]].mixer.new_snapshots(rows)
 
     # ---- public steps ------------------------------------------------------------------------
     def prime(self, token_ids, cache: Cache) -> np.ndarray:
@@ -119,6 +129,7 @@ class Glm5Model:
                 f"verify_rows: t={tokens.size} rows > cap {VERIFY_CAP}: at most {VERIFY_CAP - 1} "
                 "drafts per round (K + 1 rows must stay inside the decode-exact class)"
             )
+        self._new_snapshots(self.layers, cache)
         ckpt = VerifyCkpt(
             cache=cache, pos=cache.pos, rows=int(tokens.size),
             latent_len={i: plane.length for i, plane in cache.mla.items()},
@@ -130,8 +141,8 @@ class Glm5Model:
 
     def rollback(self, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
         """Commit the first `keep` rows of a verify walk (1 <= keep <= t) and undo the rest:
-        latent planes truncate (pool keys clamped), KDA rings and states replay the kept
-        rows from their snapshots, cache.pos = snapshot + keep."""
+        latent planes truncate (pool keys clamped), KDA rings and states are copied back from
+        the walk's per-row snapshots, cache.pos = snapshot + keep."""
         self._check_cache(cache, "rollback")
         if not isinstance(ckpt, VerifyCkpt) or ckpt.cache is not cache:
             raise InputError("rollback: this checkpoint was not taken on this cache by verify_rows")
@@ -151,11 +162,13 @@ class Glm5Model:
         ckpt.spent = True
 
     def _rollback_layers(self, layers, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
+        indices = {layer.index for layer in layers}
+        if keep < ckpt.rows:
+            for rows in cache.kda_rows:
+                if rows.layers[0] in indices:
+                    rows.restore(keep)
         for layer in layers:
-            if layer.kind == KDA:
-                if keep < ckpt.rows:
-                    layer.mixer.restore(cache.kda[layer.index], ckpt.kda[layer.index], keep)
-            else:
+            if layer.kind != KDA:
                 plane = cache.mla[layer.index]
                 plane.truncate(ckpt.latent_len[layer.index] + keep, self.cfg.index_kpool)
 

@@ -120,7 +120,7 @@ def test_a_second_walk_without_rollback_trips_the_residency_wire(model, chain):
 
 
 # ---- A: accept j, roll back, continue ------------------------------------------------------------
-def _accept_then_continue(model, prompt_len, keep, stale_kda=False):
+def _accept_then_continue(model, prompt_len, keep, stale_kda=False, snapshot_shift=0):
     """Walk K+1 rows, roll back to `keep`, decode a continuation. Returns the spec cache, the
     never-drafted cache, both continuations' logits, and the post-walk pool counts."""
     prompt = prompt_ids(model, prompt_len)
@@ -135,6 +135,8 @@ def _accept_then_continue(model, prompt_len, keep, stale_kda=False):
         for i, (ring, state) in kda_after_walk.items():
             cache.kda[i].ring[...] = ring
             cache.kda[i].state[...] = state
+    for part in cache.kda_rows if snapshot_shift else ():  # red arm: the snapshot of another row
+        part.restore(keep + snapshot_shift)
     ref, _ = primed(model, prompt)
     kept_logits = decode_chain(model, ref, rows[:keep])
     assert np.array_equal(host(model, walk_logits)[:keep], kept_logits)
@@ -209,11 +211,13 @@ def test_rollback_refuses_bad_requests_and_leaves_the_cache_untouched(model, bad
 
 
 # ---- red arms ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arm", ["restored", "stale"])
+@pytest.mark.parametrize("arm", ["restored", "stale", "next_row_snapshot", "previous_row_snapshot"])
 def test_kda_restore_is_what_makes_the_continuation_exact(model, arm):
-    """Green: rollback replays the kept rows into the KDA state. Red: put back the post-walk
-    KDA rings and states after rollback; the continuation must diverge."""
-    run = _accept_then_continue(model, PROMPT_LEN, keep=3, stale_kda=arm == "stale")
+    """Green: rollback copies the kept rows' KDA rings and states back from the walk's per-row
+    snapshots. Red: put back the post-walk rings and states, or the snapshot one row after or
+    before the kept one (an off-by-one index); the continuation must diverge."""
+    shift = {"next_row_snapshot": 1, "previous_row_snapshot": -1}.get(arm, 0)
+    run = _accept_then_continue(model, PROMPT_LEN, keep=3, stale_kda=arm == "stale", snapshot_shift=shift)
     diff = state_diff(run["rolled"], run["ref_rolled"])
     spec = decode_chain(model, run["cache"], run["cont"])
     plain = decode_chain(model, run["ref"], run["cont"])

@@ -9,16 +9,30 @@ ring / state in place, so a t-row call equals t one-row calls bit for bit.
 
 from __future__ import annotations
 
+import numpy as np
+
 import cupy as cp
 
 from memra.backend.cuda.runtime import BLOCK, check, device_input, f32, grid_1d, i32, launch
 from memra.kernels_cu.constants import KDA_MAX_CONV, KDA_MAX_DK, WARPS_PER_BLOCK
 
 
+def _rows(rows, t: int, shape: tuple, what: str):
+    """(pointer or None, row stride in elements) of a snapshot buffer: rows[r] ([*shape],
+    C-contiguous) takes the ring / state after row r < t - 1; rows may be a strided view."""
+    if rows is None:
+        return None, np.int64(0)
+    assert isinstance(rows, cp.ndarray) and rows.dtype == cp.float32, f"{what}: rows must be float32 cupy"
+    assert rows.shape[1:] == shape and rows.shape[0] >= t - 1, (
+        f"{what}: rows {rows.shape}, expected [>= {t - 1}, {', '.join(map(str, shape))}]")
+    assert rows[0].flags.c_contiguous, f"{what}: each snapshot row must be C-contiguous"
+    return rows, np.int64(rows.strides[0] // 4)
+
+
 class KdaOps:
-    def short_conv(self, x, ring, w):
+    def short_conv(self, x, ring, w, rows=None):
         """Causal depthwise conv + SiLU over t rows; ring [K-1, C] (oldest first) advances in
-        place, so it must already be a C-contiguous float32 device array."""
+        place, so it must already be a C-contiguous float32 device array. rows: see _rows."""
         x, w = device_input(x, "x"), device_input(w, "w")
         check(ring, cp.float32, "ring")
         t, c = x.shape
@@ -26,8 +40,9 @@ class KdaOps:
         assert w.shape == (c, k) and 1 <= k <= KDA_MAX_CONV, f"short_conv: w {w.shape}, C={c}, K<={KDA_MAX_CONV}"
         assert ring.shape == (k - 1, c), f"short_conv: ring {ring.shape}, expected {(k - 1, c)}"
         out = cp.empty((t, c), cp.float32)
+        snap, stride = _rows(rows, t, (k - 1, c), "short_conv")
         if t:
-            launch("kda", "short_conv", grid_1d(c), (BLOCK,), (x, ring, w, out, i32(t), i32(c), i32(k)))
+            launch("kda", "short_conv", grid_1d(c), (BLOCK,), (x, ring, w, out, i32(t), i32(c), i32(k), snap, stride))
         return out
 
     def kda_gate(self, f, a_log, dt_bias, lower_bound):
@@ -43,9 +58,10 @@ class KdaOps:
                     f32(lower_bound if has_lb else 0.0)))
         return out
 
-    def kda_recurrence(self, q, k, v, g, beta, state):
+    def kda_recurrence(self, q, k, v, g, beta, state, rows=None):
         """Delta rule over the rows in order; state [Hk, dk, dv] float32 advances in place;
-        returns o [t, Hk, dv]. Parallel over (head, value column), never over rows."""
+        returns o [t, Hk, dv]. Parallel over (head, value column), never over rows. rows: the
+        state after each row but the last (see _rows)."""
         q, k, v = device_input(q, "q"), device_input(k, "k"), device_input(v, "v")
         g, beta = device_input(g, "g"), device_input(beta, "beta")
         check(state, cp.float32, "state")
@@ -56,7 +72,8 @@ class KdaOps:
         assert state.shape == (hk, dk, dv), f"kda_recurrence: state {state.shape}, expected {(hk, dk, dv)}"
         assert dk <= KDA_MAX_DK, f"kda_recurrence: dk={dk}, at most {KDA_MAX_DK} (raise KDA_MAX_DK)"
         out = cp.empty((t, hk, dv), cp.float32)
+        snap, stride = _rows(rows, t, (hk, dk, dv), "kda_recurrence")
         if t:
             launch("kda", "kda_recurrence", (hk, (dv + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK), (BLOCK,),
-                   (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv)))
+                   (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv), snap, stride))
         return out

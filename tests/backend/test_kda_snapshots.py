@@ -1,0 +1,91 @@
+"""The per-row snapshots a verify walk's KDA ops write for its rollback (`rows`): on both
+backends, rows[r] of a t-row short_conv / kda_recurrence is, bit for bit, the ring / state that
+the first r + 1 rows alone leave (rows past t - 2 untouched), written through a strided view
+(one layer's slot of a part's [rows, layers, ...] buffer). Red arm: a snapshot taken before the
+row's update instead of after it is caught."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra.backend.numpy_ref import NumpyBackend
+from tests.backend.inputs import normal, uniform
+
+HK, DK, C, K, T = 2, 32, 48, 4, 6
+
+
+def _backends():
+    yield pytest.param("numpy", id="numpy")
+    yield pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)
+
+
+def _backend(name):
+    if name == "numpy":
+        return NumpyBackend(), np.asarray, np.asarray
+    from tests.gpu import cupy_or_skip
+    cp = cupy_or_skip()
+    from memra.backend.cuda.backend import CudaBackend
+    return CudaBackend(), cp.asarray, cp.asnumpy
+
+
+def _inputs(t):
+    rng = np.random.default_rng(3)
+    q, k = normal(rng, (t, HK, DK), 0.2), normal(rng, (t, HK, DK), 0.2)
+    return {"q": q, "k": k, "v": normal(rng, (t, HK, DK)), "g": uniform(rng, (t, HK, DK), -0.5, -0.01),
+            "beta": uniform(rng, (t, HK), 0.1, 0.9), "state": normal(rng, (HK, DK, DK), 0.1),
+            "x": normal(rng, (t, C)), "ring": normal(rng, (K - 1, C)), "w": normal(rng, (C, K), 0.5)}
+
+
+def _recurrence(be, dev, a, rows_of=None, t=T):
+    state = dev(a["state"].copy())
+    rows = None if rows_of is None else rows_of(state.shape)
+    be.kda_recurrence(*(dev(a[n][:t]) for n in ("q", "k", "v", "g", "beta")), state, rows)
+    return state, rows
+
+
+def _conv(be, dev, a, rows_of=None, t=T):
+    ring = dev(a["ring"].copy())
+    rows = None if rows_of is None else rows_of(ring.shape)
+    be.short_conv(dev(a["x"][:t]), ring, dev(a["w"]), rows)
+    return ring, rows
+
+
+@pytest.mark.parametrize("op", [_recurrence, _conv], ids=["kda_recurrence", "short_conv"])
+@pytest.mark.parametrize("backend", _backends())
+def test_row_r_is_what_the_first_r_plus_1_rows_leave(backend, op):
+    be, dev, host = _backend(backend)
+    a = _inputs(T)
+    sentinel = np.float32(-7.0)
+
+    def rows_of(shape):  # slot 1 of a [T + 1, 2, ...] buffer: a strided view, one spare row
+        return dev(np.full((T + 1, 2, *shape), sentinel, np.float32))[:, 1]
+
+    final, rows = op(be, dev, a, rows_of)
+    rows = host(rows)
+    for r in range(T - 1):
+        alone, _ = op(be, dev, a, t=r + 1)
+        assert np.array_equal(rows[r], host(alone)), f"row {r}"
+    assert np.all(rows[T - 1:] == sentinel)  # the last row's ring / state is the live one
+    assert np.array_equal(host(final), host(op(be, dev, a)[0]))  # snapshots change nothing else
+
+
+class _StaleSnapshots(NumpyBackend):
+    """The mutation: each snapshot taken before its row's update (the previous row's state)."""
+
+    def kda_recurrence(self, q, k, v, g, beta, state, rows=None):
+        out = np.empty((q.shape[0], *v.shape[1:]), np.float32)
+        for r in range(q.shape[0]):
+            if rows is not None and r < q.shape[0] - 1:
+                rows[r] = state
+            out[r] = super().kda_recurrence(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1], beta[r:r + 1], state)[0]
+        return out
+
+
+def test_red_arm_a_snapshot_taken_before_its_row_is_caught():
+    a = _inputs(T)
+    rows = np.zeros((T - 1, HK, DK, DK), np.float32)
+    state = a["state"].copy()
+    _StaleSnapshots().kda_recurrence(*(a[n] for n in ("q", "k", "v", "g", "beta")), state, rows)
+    alone, _ = _recurrence(NumpyBackend(), np.asarray, a, t=2)
+    assert not np.array_equal(rows[1], alone)

@@ -8,6 +8,7 @@
 
 // The wrapper asserts conv taps K <= KDA_MAX_CONV and key dim dk <= KDA_MAX_DK.
 static_assert(KDA_MAX_DK % 32 == 0, "a warp's lanes share a state column evenly");
+static_assert(MEMRA_BLOCK == 32 * WARPS_PER_BLOCK, "kda_recurrence: a block's warps are its columns");
 #define KDA_SLOTS (KDA_MAX_DK / 32)  // S entries each lane holds for its column
 
 // Fixed xor-butterfly over 32 lanes, then lane 0's value to all (one bit pattern per warp).
@@ -68,57 +69,71 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // out [t, Hk, dv]. Grid (Hk, ceil(dv / WARPS_PER_BLOCK)): one warp owns one value column j of S,
 // lane l holding S[l + 32 m, j]. Both dk-reductions: per lane ascending m, then the butterfly.
 // rows (may be null): S after row r < t - 1 is written at rows + r * row_stride ([Hk, dk, dv]),
-// so a rollback to the first r + 1 rows is a copy instead of a replay.
+// so a rollback to the first r + 1 rows is a copy instead of a replay. A warp holds a column of
+// S, so the block's WARPS_PER_BLOCK columns go through shared memory and out as rows of adjacent
+// columns (a warp writing its column alone would touch a 32-byte sector per float).
 extern "C" __global__ void kda_recurrence(const float* __restrict__ q, const float* __restrict__ k,
                                           const float* __restrict__ v, const float* __restrict__ g,
                                           const float* __restrict__ beta, float* __restrict__ state,
                                           float* __restrict__ out, int t, int hk, int dk, int dv,
                                           float* __restrict__ rows, long long row_stride) {
-    const int h = blockIdx.x, lane = threadIdx.x % 32;
-    const int j = blockIdx.y * WARPS_PER_BLOCK + threadIdx.x / 32;
-    if (j >= dv) return;  // a whole warp leaves together; no block-wide sync follows
-    float* col = state + (long long)h * dk * dv + j;
+    __shared__ float tile[WARPS_PER_BLOCK][KDA_MAX_DK + 1];
+    const int h = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int j0 = blockIdx.y * WARPS_PER_BLOCK, j = j0 + warp;
+    const bool active = j < dv, snapping = rows != nullptr && t > 1;
+    if (!active && !snapping) return;  // a whole warp leaves; with snapshots it joins the barriers
+    float* col = state + (long long)h * dk * dv + (active ? j : 0);
     float s[KDA_SLOTS], kk[KDA_SLOTS];
 #pragma unroll
     for (int m = 0; m < KDA_SLOTS; ++m) {
         const int i = lane + 32 * m;
-        s[m] = i < dk ? col[(long long)i * dv] : 0.0f;
+        s[m] = active && i < dk ? col[(long long)i * dv] : 0.0f;
     }
     for (int r = 0; r < t; ++r) {
-        const long long kb = ((long long)r * hk + h) * dk;
-        const long long vb = ((long long)r * hk + h) * dv;
-        float ks = 0.0f;
-#pragma unroll
-        for (int m = 0; m < KDA_SLOTS; ++m) {
-            const int i = lane + 32 * m;
-            if (i < dk) {
-                s[m] = s[m] * expf(g[kb + i]);
-                kk[m] = k[kb + i];
-                ks += kk[m] * s[m];
-            }
-        }
-        ks = kda_warp_sum(ks);
-        const float delta = (v[vb + j] - ks) * beta[(long long)r * hk + h];
-        float qs = 0.0f;
-#pragma unroll
-        for (int m = 0; m < KDA_SLOTS; ++m) {
-            const int i = lane + 32 * m;
-            if (i < dk) {
-                s[m] = s[m] + kk[m] * delta;
-                qs += q[kb + i] * s[m];
-            }
-        }
-        qs = kda_warp_sum(qs);
-        if (lane == 0) out[vb + j] = qs;
-        if (rows != nullptr && r < t - 1) {
-            float* snap = rows + r * row_stride + (long long)h * dk * dv + j;
+        if (active) {
+            const long long kb = ((long long)r * hk + h) * dk;
+            const long long vb = ((long long)r * hk + h) * dv;
+            float ks = 0.0f;
 #pragma unroll
             for (int m = 0; m < KDA_SLOTS; ++m) {
                 const int i = lane + 32 * m;
-                if (i < dk) snap[(long long)i * dv] = s[m];
+                if (i < dk) {
+                    s[m] = s[m] * expf(g[kb + i]);
+                    kk[m] = k[kb + i];
+                    ks += kk[m] * s[m];
+                }
             }
+            ks = kda_warp_sum(ks);
+            const float delta = (v[vb + j] - ks) * beta[(long long)r * hk + h];
+            float qs = 0.0f;
+#pragma unroll
+            for (int m = 0; m < KDA_SLOTS; ++m) {
+                const int i = lane + 32 * m;
+                if (i < dk) {
+                    s[m] = s[m] + kk[m] * delta;
+                    qs += q[kb + i] * s[m];
+                }
+            }
+            qs = kda_warp_sum(qs);
+            if (lane == 0) out[vb + j] = qs;
+        }
+        if (snapping && r < t - 1) {
+#pragma unroll
+            for (int m = 0; m < KDA_SLOTS; ++m) {
+                const int i = lane + 32 * m;
+                if (active && i < dk) tile[warp][i] = s[m];
+            }
+            __syncthreads();
+            float* snap = rows + r * row_stride + (long long)h * dk * dv + j0;
+            const int width = min(WARPS_PER_BLOCK, dv - j0);
+            for (int idx = threadIdx.x; idx < dk * WARPS_PER_BLOCK; idx += blockDim.x) {
+                const int i = idx / WARPS_PER_BLOCK, c = idx % WARPS_PER_BLOCK;
+                if (c < width) snap[(long long)i * dv + c] = tile[c][i];
+            }
+            __syncthreads();  // the tile is read before the next row overwrites it
         }
     }
+    if (!active) return;
 #pragma unroll
     for (int m = 0; m < KDA_SLOTS; ++m) {
         const int i = lane + 32 * m;

@@ -12,7 +12,8 @@ import pytest
 from memra.backend.numpy_ref import NumpyBackend
 from tests.backend.inputs import normal, uniform
 
-HK, DK, C, K, T = 2, 32, 48, 4, 6
+HK, C, K, T = 2, 48, 4, 6
+SHAPES = [(32, 32), (40, 20)]  # (dk, dv); dv = 20: a block of 8 value columns only half full
 
 
 def _backends():
@@ -29,11 +30,11 @@ def _backend(name):
     return CudaBackend(), cp.asarray, cp.asnumpy
 
 
-def _inputs(t):
+def _inputs(t, dk=32, dv=32):
     rng = np.random.default_rng(3)
-    q, k = normal(rng, (t, HK, DK), 0.2), normal(rng, (t, HK, DK), 0.2)
-    return {"q": q, "k": k, "v": normal(rng, (t, HK, DK)), "g": uniform(rng, (t, HK, DK), -0.5, -0.01),
-            "beta": uniform(rng, (t, HK), 0.1, 0.9), "state": normal(rng, (HK, DK, DK), 0.1),
+    q, k = normal(rng, (t, HK, dk), 0.2), normal(rng, (t, HK, dk), 0.2)
+    return {"q": q, "k": k, "v": normal(rng, (t, HK, dv)), "g": uniform(rng, (t, HK, dk), -0.5, -0.01),
+            "beta": uniform(rng, (t, HK), 0.1, 0.9), "state": normal(rng, (HK, dk, dv), 0.1),
             "x": normal(rng, (t, C)), "ring": normal(rng, (K - 1, C)), "w": normal(rng, (C, K), 0.5)}
 
 
@@ -51,11 +52,12 @@ def _conv(be, dev, a, rows_of=None, t=T):
     return ring, rows
 
 
-@pytest.mark.parametrize("op", [_recurrence, _conv], ids=["kda_recurrence", "short_conv"])
+@pytest.mark.parametrize("op,shape", [(_recurrence, s) for s in SHAPES] + [(_conv, SHAPES[0])],
+                         ids=[f"kda_recurrence_dk{dk}_dv{dv}" for dk, dv in SHAPES] + ["short_conv"])
 @pytest.mark.parametrize("backend", _backends())
-def test_row_r_is_what_the_first_r_plus_1_rows_leave(backend, op):
+def test_row_r_is_what_the_first_r_plus_1_rows_leave(backend, op, shape):
     be, dev, host = _backend(backend)
-    a = _inputs(T)
+    a = _inputs(T, *shape)
     sentinel = np.float32(-7.0)
 
     def rows_of(shape):  # slot 1 of a [T + 1, 2, ...] buffer: a strided view, one spare row
@@ -84,7 +86,7 @@ class _StaleSnapshots(NumpyBackend):
 
 def test_red_arm_a_snapshot_taken_before_its_row_is_caught():
     a = _inputs(T)
-    rows = np.zeros((T - 1, HK, DK, DK), np.float32)
+    rows = np.zeros((T - 1, *a["state"].shape), np.float32)
     state = a["state"].copy()
     _StaleSnapshots().kda_recurrence(*(a[n] for n in ("q", "k", "v", "g", "beta")), state, rows)
     alone, _ = _recurrence(NumpyBackend(), np.asarray, a, t=2)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from memra.limits import VERIFY_CAP
-from memra.model.cache import KdaRows, KdaState
+from memra.model.cache import KdaPart, KdaState
 
 
 class KdaMixer:
@@ -32,23 +32,23 @@ class KdaMixer:
         self.o_norm = be.weight(w("o_norm.weight"))
         self.o_proj = be.matrix(w("o_proj.weight"))
 
-    def new_states(self, layers: tuple) -> tuple[KdaRows, list[KdaState]]:
+    def new_states(self, layers: tuple) -> tuple[KdaPart, list[KdaState]]:
         """The live rings and states of these KDA layers (this mixer's shapes), side by side."""
         be, n = self.be, len(layers)
-        rows = KdaRows(layers=tuple(layers), ring=be.zeros((n, *self._ring_shape())),
+        part = KdaPart(layers=tuple(layers), ring=be.zeros((n, *self._ring_shape())),
                        state=be.zeros((n, self.heads, self.dk, self.dk)))
-        return rows, [KdaState(ring=rows.ring[j], state=rows.state[j], rows=rows, slot=j) for j in range(n)]
+        return part, [KdaState(ring=part.ring[j], state=part.state[j], part=part, slot=j) for j in range(n)]
 
     def new_state(self) -> KdaState:
         """One layer's ring and state on their own (a part of one layer)."""
         return self.new_states((None,))[1][0]
 
-    def new_snapshots(self, rows: KdaRows) -> None:
+    def new_snapshots(self, part: KdaPart) -> None:
         """The per-row snapshot buffers a verify walk writes (made once, at the first one)."""
-        if rows.state_rows is None:
-            n, cap = len(rows.layers), VERIFY_CAP - 1
-            rows.ring_rows = self.be.zeros((cap, n, *self._ring_shape()))
-            rows.state_rows = self.be.zeros((cap, n, self.heads, self.dk, self.dk))
+        if part.state_rows is None:
+            n, cap = len(part.layers), VERIFY_CAP - 1
+            part.ring_rows = self.be.zeros((cap, n, *self._ring_shape()))
+            part.state_rows = self.be.zeros((cap, n, self.heads, self.dk, self.dk))
 
     def _ring_shape(self) -> tuple[int, int]:
         return self.cfg.linear_conv_kernel_dim - 1, 3 * self.cfg.linear_dim

@@ -80,8 +80,8 @@ class Glm5Model:
     def _new_planes(self, cache: Cache, layers) -> None:
         kda = [layer for layer in layers if layer.kind == KDA]
         if kda:
-            rows, states = kda[0].mixer.new_states(tuple(layer.index for layer in kda))
-            cache.kda_rows.append(rows)
+            part, states = kda[0].mixer.new_states(tuple(layer.index for layer in kda))
+            cache.kda_parts.append(part)
             cache.kda.update({layer.index: st for layer, st in zip(kda, states)})
         for layer in layers:
             if layer.kind != KDA:
@@ -90,9 +90,9 @@ class Glm5Model:
     def _new_snapshots(self, layers, cache: Cache) -> None:
         """The KDA snapshot buffers of `layers`' parts, at the cache's first verify walk."""
         by_index = {layer.index: layer for layer in layers}
-        for rows in cache.kda_rows:
-            if rows.layers[0] in by_index:
-                by_index[rows.layers[0]].mixer.new_snapshots(rows)
+        for part in cache.kda_parts:
+            if part.layers[0] in by_index:
+                by_index[part.layers[0]].mixer.new_snapshots(part)
 
     # ---- public steps ------------------------------------------------------------------------
     def prime(self, token_ids, cache: Cache) -> np.ndarray:
@@ -164,9 +164,9 @@ class Glm5Model:
     def _rollback_layers(self, layers, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
         indices = {layer.index for layer in layers}
         if keep < ckpt.rows:
-            for rows in cache.kda_rows:
-                if rows.layers[0] in indices:
-                    rows.restore(keep)
+            for part in cache.kda_parts:
+                if part.layers[0] in indices:
+                    part.restore(keep)
         for layer in layers:
             if layer.kind != KDA:
                 plane = cache.mla[layer.index]

@@ -135,7 +135,7 @@ def _accept_then_continue(model, prompt_len, keep, stale_kda=False, snapshot_shi
         for i, (ring, state) in kda_after_walk.items():
             cache.kda[i].ring[...] = ring
             cache.kda[i].state[...] = state
-    for part in cache.kda_rows if snapshot_shift else ():  # red arm: the snapshot of another row
+    for part in cache.kda_parts if snapshot_shift else ():  # red arm: the snapshot of another row
         part.restore(keep + snapshot_shift)
     ref, _ = primed(model, prompt)
     kept_logits = decode_chain(model, ref, rows[:keep])

@@ -43,6 +43,8 @@ PROFILE_LINES = 16   # kernel families on the card (the JSON has them all)
 
 
 def prefill(model, lengths: list[int], seed: int) -> dict:
+    """Prefill tokens/s per prompt length; the longest prompt's prime is also run once with its
+    launches counted (to name each kernel's module) and once under the kernel profiler."""
     warm = min(WARMUP_PROMPT, *lengths)
     model.prime(random_tokens(model.cfg, warm, seed), model.new_cache(warm))
     out = {}
@@ -50,6 +52,12 @@ def prefill(model, lengths: list[int], seed: int) -> dict:
         tokens, cache = random_tokens(model.cfg, n, seed), model.new_cache(n)
         ms, _ = timed_call(partial(model.prime, tokens, cache), model.be)
         out[f"prompt_{n}"] = {"tokens": n, "ms": ms, "tokens_per_s": n / ms * 1e3}
+    longest = random_tokens(model.cfg, max(lengths), seed)
+    with counted_launches() as launches:
+        model.prime(longest, model.new_cache(longest.size))
+    if launches:
+        out[f"prompt_{longest.size}"]["kernel_profile"] = kernel_profile(
+            lambda: model.prime(longest, model.new_cache(longest.size)), 1, list(launches))
     return out
 
 
@@ -138,13 +146,19 @@ def card(record: dict) -> list[str]:
                          f"({100 * run['host_share']:5.1f}% of a step)")
     if launches is not None:
         lines.append(f"  {launches:.0f} memra launches per eager step")
-    prof = d.get("kernel_profile")
-    if prof:
-        lines.append(f"  kernels {prof['kernel_us_per_step'] / 1e3:.3f} ms/step of GPU time, "
-                     f"GPU idle {100 * prof['idle_share']:.1f}% of the span")
-        for name, f in list(prof["families"].items())[:PROFILE_LINES]:
-            lines.append(f"    {100 * f['share']:5.1f}%  {f['us_per_step']:8.1f} us/step  "
-                         f"{f['calls_per_step']:5.1f} calls  {name}")
+    lines += profile_lines(d.get("kernel_profile"), "a decode step")
+    for name, p in record["prefill"].items():
+        lines += profile_lines(p.get("kernel_profile"), f"the {name} prime")
+    return lines
+
+
+def profile_lines(prof: dict | None, what: str) -> list[str]:
+    if not prof:
+        return []
+    lines = [f"  kernels of {what}: {prof['kernel_us_per_step'] / 1e3:.3f} ms of GPU time, "
+             f"GPU idle {100 * prof['idle_share']:.1f}% of the span"]
+    for name, f in list(prof["families"].items())[:PROFILE_LINES]:
+        lines.append(f"    {100 * f['share']:5.1f}%  {f['us_per_step']:10.1f} us  {f['calls_per_step']:7.1f} calls  {name}")
     return lines
 
 

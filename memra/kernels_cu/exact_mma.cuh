@@ -92,6 +92,17 @@ static __device__ __forceinline__ void mma_rows(const unsigned short* w, int o, 
     }
 }
 
+// A warp's accumulators (MMA C layout) set to +0.
+template <int J, int NT>
+static __device__ __forceinline__ void mma_zero(float (&acc)[J][NT][4]) {
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][n][i] = 0.0f;
+}
+
 // One tile: tile[m][n] = w_m . x_n for the block's 16 J weight rows m and up to 8 NT activation
 // rows n. Each lane passes its own operand rows: wrow[j][h] is weight row 16 j + 8 h + g and
 // xrow[n] activation row 8 n + g (nullptr: a missing row, read as zeros). w_aligned / x_aligned:
@@ -111,12 +122,7 @@ static __device__ void mma_tile(const unsigned short* const (&wrow)[J][2], const
                                 int n_in, bool w_aligned, bool x_aligned, MmaTile<J, NT>& sh) {
     const int lane = threadIdx.x % MMA_WARP, q = lane % 4, warp = threadIdx.x / MMA_WARP;
     float acc[J][NT][4];
-#pragma unroll
-    for (int j = 0; j < J; ++j)
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][n][i] = 0.0f;
+    mma_zero<J, NT>(acc);
     for (int kb = warp * MMA_KB; kb < n_in; kb += MMA_SPLIT * MMA_KB) {
         uint4 wv[J][2];
 #pragma unroll

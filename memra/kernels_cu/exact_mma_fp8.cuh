@@ -88,20 +88,10 @@ static __device__ void mma_tile_fp8(const unsigned char* const (&wrow)[J][2], co
                                     MmaTile<J, NT>& sh) {
     const int lane = threadIdx.x % MMA_WARP, q = lane % 4, warp = threadIdx.x / MMA_WARP;
     float acc[J][NT][4];
-#pragma unroll
-    for (int j = 0; j < J; ++j)
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][n][i] = 0.0f;
+    mma_zero<J, NT>(acc);
     for (int kb = warp * FP8_BLOCK; kb < n_in; kb += MMA_SPLIT * FP8_BLOCK) {
         float part[J][NT][4];
-#pragma unroll
-        for (int j = 0; j < J; ++j)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) part[j][n][i] = 0.0f;
+        mma_zero<J, NT>(part);
         uint4 raw[2][J][2];  // the whole block's bytes in flight before the first MMA: [half][j][h]
 #pragma unroll
         for (int half = 0; half < 2; ++half)

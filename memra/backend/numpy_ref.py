@@ -5,6 +5,7 @@ with the same code, on arrays whose shapes depend only on row r, as it would for
 alone; so row r of a t-row call is bit-identical to the t=1 call (BLAS picks its kernels by
 shape, which is why rows are never batched into one gemm here). The CUDA backend implements
 the same methods with the same signatures. Activations are float32; weights arrive float32.
+The KDA ops live in numpy_kda.py (a mixin, as the CUDA backend's families are).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 
 from memra.safetensors_io import bf16_to_f32
 from memra.backend.fp8 import Fp8Block, NumpyFp8Matrix
+from memra.backend.numpy_kda import NumpyKdaOps
 from memra.backend.philox import TAG_DRAW, uniforms
 
 F32 = np.float32
@@ -43,7 +45,7 @@ def _rmsnorm_row(x: np.ndarray, eps: float) -> np.ndarray:
     return (x * (F32(1) / np.sqrt(np.mean(x * x, dtype=F32) + F32(eps)))).astype(F32)
 
 
-class NumpyBackend:
+class NumpyBackend(NumpyKdaOps):
     """Reference implementation of the backend interface (runs everywhere, used by CI)."""
 
     name = "numpy"  # a label for records and summaries; callers branch on the capabilities below
@@ -243,54 +245,6 @@ class NumpyBackend:
         for i in range(1, streams.shape[1]):
             out = out + streams[:, i]
         return (out / F32(streams.shape[1])).astype(F32)
-
-    # ---- KDA ------------------------------------------------------------------------------------
-    def short_conv(self, x: np.ndarray, ring: np.ndarray, w: np.ndarray, rows=None) -> np.ndarray:
-        """Causal depthwise conv + SiLU over t rows; ring [K-1, C] holds the previous inputs
-        (oldest first) and is advanced in place. w [C, K]; tap K-1 meets the current row.
-        rows [>= t-1, K-1, C] (optional): rows[r] = the ring after row r, for r < t - 1."""
-        k = w.shape[1]
-        out = np.empty_like(x)
-        for r in range(x.shape[0]):
-            acc = w[:, 0] * (ring[0] if k > 1 else x[r])
-            for j in range(1, k):
-                src = ring[j] if j < k - 1 else x[r]
-                acc = acc + w[:, j] * src
-            out[r] = _silu(acc)
-            if k > 1:
-                ring[:-1] = ring[1:]
-                ring[-1] = x[r]
-            if rows is not None and r < x.shape[0] - 1:
-                rows[r] = ring
-        return out
-
-    def kda_gate(self, f: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray, lower_bound) -> np.ndarray:
-        """Per-channel log-decay g: f [t, Hk, dk], a_log [Hk], dt_bias [Hk, dk]."""
-        z = f + dt_bias
-        rate = np.exp(a_log)[:, None]
-        if lower_bound is not None:
-            return (F32(lower_bound) * _sigmoid(rate * z)).astype(F32)
-        soft = np.where(z > 20, z, np.log1p(np.exp(np.minimum(z, 20))))
-        return (-rate * soft).astype(F32)
-
-    def kda_recurrence(self, q, k, v, g, beta, state: np.ndarray, rows=None) -> np.ndarray:
-        """Delta rule, rows in order, state [Hk, dk, dv] advanced in place; returns o [t, Hk, dv];
-        rows [>= t-1, Hk, dk, dv] (optional): rows[r] = the state after row r, for r < t - 1.
-
-        S <- S * exp(g)[:, None]; S += k (x) beta (v - S^T k); o = S^T q.
-        """
-        t, hk, _ = q.shape
-        out = np.empty((t, hk, v.shape[2]), F32)
-        for r in range(t):
-            for h in range(hk):
-                s = state[h] * np.exp(g[r, h])[:, None]
-                delta = (v[r, h] - k[r, h] @ s) * beta[r, h]
-                s = s + np.outer(k[r, h], delta)
-                state[h] = s
-                out[r, h] = q[r, h] @ s
-            if rows is not None and r < t - 1:
-                rows[r] = state
-        return out
 
     # ---- DSA kpool indexer and MLA ------------------------------------------------------------
     def kpool_compress(self, keys: np.ndarray, gates: np.ndarray, ape: np.ndarray) -> np.ndarray:

@@ -60,9 +60,10 @@ class KdaMixer:
         be, t, hk, dk = self.be, x.shape[0], self.heads, self.dk
         c = hk * dk
         raw = be.linear(x, self.qkv)
-        ring_rows, state_rows = st.snapshots() if stash is not None else (None, None)
+        ring_rows = state_rows = None
         if stash is not None:
             stash.update(ring=st.ring.copy(), state=st.state.copy())
+            ring_rows, state_rows = st.snapshots()
         mixed = be.short_conv(raw, st.ring, self.conv, ring_rows)
         heads = lambda cols: be.contiguous(mixed[:, cols]).reshape(t, hk, dk)
         q = be.scale(be.l2norm(heads(slice(0, c)), 1e-6), dk ** -0.5)

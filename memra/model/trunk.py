@@ -89,10 +89,14 @@ class Glm5Model:
 
     def _new_snapshots(self, layers, cache: Cache) -> None:
         """The KDA snapshot buffers of `layers`' parts, at the cache's first verify walk."""
+        for part, first in self._kda_parts(cache, layers):
+            first.mixer.new_snapshots(part)
+
+    @staticmethod
+    def _kda_parts(cache: Cache, layers) -> list:
+        """(part, its first layer) for each KDA part of the cache whose layers `layers` hold."""
         by_index = {layer.index: layer for layer in layers}
-        for part in cache.kda_parts:
-            if part.layers[0] in by_index:
-                by_index[part.layers[0]].mixer.new_snapshots(part)
+        return [(part, by_index[part.layers[0]]) for part in cache.kda_parts if part.layers[0] in by_index]
 
     # ---- public steps ------------------------------------------------------------------------
     def prime(self, token_ids, cache: Cache) -> np.ndarray:
@@ -162,11 +166,9 @@ class Glm5Model:
         ckpt.spent = True
 
     def _rollback_layers(self, layers, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
-        indices = {layer.index for layer in layers}
         if keep < ckpt.rows:
-            for part in cache.kda_parts:
-                if part.layers[0] in indices:
-                    part.restore(keep)
+            for part, _ in self._kda_parts(cache, layers):
+                part.restore(keep)
         for layer in layers:
             if layer.kind != KDA:
                 plane = cache.mla[layer.index]

@@ -27,8 +27,6 @@ def kernel_dir():
 
 
 @functools.cache
-
-
 def module(family: str) -> "cp.RawModule":
     src = kernel_dir().joinpath(f"{family}.cu").read_text()
     include = "-I" + str(kernel_dir())
@@ -38,8 +36,6 @@ def module(family: str) -> "cp.RawModule":
 
 
 @functools.cache
-
-
 def kernel(family: str, name: str):
     """The launchable kernel, made once: RawModule.get_function builds a new RawKernel on every
     call, a host cost a decode step would otherwise pay once per launch (hundreds of times)."""

@@ -16,9 +16,9 @@ The estimate is simple on purpose, and this is all of it:
   index_kpool positions; the MTP block's plane likewise when the model has one (the native
   drafter allocates it). Fixed: every KDA layer's conv ring ((K-1) x 3C) and state (Hk x dk x dk),
   VERIFY_CAP times (the live one and the VERIFY_CAP - 1 per-row snapshots a verify walk writes
-  for its rollback; made at the first verify walk), and one verify walk's attention buffers (VERIFY_CAP rows x heads x index_width, scores and
-  positions). Checked against the backend's free memory (`be.free_bytes()` where the backend
-  offers it, else the host's available memory).
+  for its rollback; made at the first verify walk), and one verify walk's attention buffers
+  (VERIFY_CAP rows x heads x index_width, scores and positions). Checked against the backend's
+  free memory (`be.free_bytes()` where the backend offers it, else the host's available memory).
 
     per_pos, fixed = cache_bytes(cfg)
     check_cache_fits(cfg, be, max_ctx)               # InputError with the max_ctx that fits

@@ -9,7 +9,8 @@ compilation is excluded); plain greedy decode after a --context-token prime: ms/
 the weight bytes a step reads (trunk arrays, the num_experts_per_tok routed experts each MoE layer
 reads plus its shared expert, the lm head, one embedding row; not the MTP block) and its fraction
 of the copy bandwidth, the state bytes it reads (reported apart), memra kernel launches per step
-and the host's share of a step (its wall time minus the time blocked waiting for the logits).
+and the host's share of a step (its wall time minus the time blocked waiting for the step's
+token: the greedy step's argmax, taken on the device, as PlainSession takes it).
 Where the cache's walk runner captures graphs (cuda), the decode runs twice on one cache: eager
 launches, then graph replay (the default; the headline numbers), and the host share of a
 replayed step is the launch overhead left.
@@ -62,9 +63,9 @@ def prefill(model, lengths: list[int], seed: int) -> dict:
 
 
 @contextlib.contextmanager
-def blocked_on_logits(be):
+def blocked_on_result(be):
     """Seconds the host spends inside be.to_host: waiting for the device to finish the step,
-    then copying the logits back. A step's wall time minus this is the host's own work."""
+    then copying its result (the argmax) back. A step's wall time minus this is the host's own work."""
     inner, spent = be.to_host, [0.0]
 
     def timed(a):
@@ -84,7 +85,7 @@ def timed_steps(model, cache, token: int, steps: int):
     """Greedy steps after WARMUP_STEPS untimed ones (with graphs: the eager first walk and the
     capture) -> (timing dict, next token)."""
     _, token = greedy_steps(model, cache, token, WARMUP_STEPS)
-    with blocked_on_logits(model.be) as blocked:
+    with blocked_on_result(model.be) as blocked:
         wall = time.perf_counter()
         times, token = greedy_steps(model, cache, token, steps)
         wall = time.perf_counter() - wall

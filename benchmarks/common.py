@@ -127,7 +127,7 @@ def prime_context(model: Glm5Model, n: int, room: int, seed: int):
 
 def timed_call(fn, be):
     """(milliseconds, result) of one fn() call on backend `be`. The clock starts with no work
-    queued and stops once fn's work is done (a walk ends in a host copy of its logits anyway),
+    queued and stops once fn's work is done (a walk ends in a host copy of its result anyway),
     so a step's time is its device time plus the host's launch work."""
     be.synchronize()
     start = time.perf_counter()
@@ -171,15 +171,14 @@ def roof_gbs(be) -> float | None:
 
 
 def greedy_steps(model: Glm5Model, cache, token: int, steps: int, tape: list | None = None):
-    """`steps` plain decode steps, each fed the previous argmax -> (ms of each step, next token).
-    With `tape`, every token fed is appended to it."""
+    """`steps` plain greedy decode steps (decode_greedy, as PlainSession takes them), each fed the
+    previous argmax -> (ms of each step, next token). With `tape`, every token fed is appended."""
     times = []
     for _ in range(steps):
         if tape is not None:
             tape.append(token)
-        ms, logits = timed_call(functools.partial(model.decode_step, token, cache), model.be)
+        ms, token = timed_call(functools.partial(model.decode_greedy, token, cache), model.be)
         times.append(ms)
-        token = int(np.argmax(logits))
     return times, token
 
 

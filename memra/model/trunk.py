@@ -114,10 +114,19 @@ class Glm5Model:
 
     def decode_step(self, token_id, cache: Cache) -> np.ndarray:
         """Consume one token; returns float32 logits [vocab] for the next position."""
-        tokens = self._check_tokens([token_id], cache, "decode_step")
+        return self.be.to_host(self._decode(token_id, cache, "decode_step"))
+
+    def decode_greedy(self, token_id, cache: Cache) -> int:
+        """decode_step for greedy decoding -> the next token: the argmax of the logits (the
+        lowest index on ties), taken where they are, so one int crosses to the host."""
+        return int(self.be.to_host(self.be.argmax(self._decode(token_id, cache, "decode_greedy"))))
+
+    def _decode(self, token_id, cache: Cache, what: str):
+        """One decode walk -> the logits row [vocab] where the backend keeps it."""
+        tokens = self._check_tokens([token_id], cache, what)
         logits, _ = self.forward_rows(tokens, cache)
         cache.pos += 1
-        return self.be.to_host(logits[0])
+        return logits[0]
 
     def verify_rows(self, token_ids, cache: Cache, tap_layers=()):
         """Score t <= 15 rows (row 0: the last committed token; then the drafts) in ONE walk
@@ -126,11 +135,23 @@ class Glm5Model:
         Row r is bit-identical to the plain decode step that consumes token r there. Every
         plane advances t rows; cache.pos does not move: `rollback(cache, ckpt, keep)` commits.
         """
-        tokens = self._check_tokens(token_ids, cache, "verify_rows")
+        logits, collapsed, ckpt = self._verify(token_ids, cache, tap_layers, "verify_rows")
+        return self.be.to_host(logits), collapsed, ckpt
+
+    def verify_greedy(self, token_ids, cache: Cache, tap_layers=()):
+        """verify_rows for greedy acceptance -> (targets, collapsed [t, D], ckpt): targets[r] is
+        the argmax of row r's logits (the lowest index on ties), taken where the logits are, so
+        t ints cross to the host instead of t x vocab floats."""
+        logits, collapsed, ckpt = self._verify(token_ids, cache, tap_layers, "verify_greedy")
+        return self.be.to_host(self.be.argmax(logits)).tolist(), collapsed, ckpt
+
+    def _verify(self, token_ids, cache: Cache, tap_layers, what: str):
+        """The verify walk -> (logits [t, V] where the backend keeps them, collapsed rows, ckpt)."""
+        tokens = self._check_tokens(token_ids, cache, what)
         taps = {layer: None for layer in check_tap_layers(tap_layers, self.cfg.num_hidden_layers)}
         if tokens.size > VERIFY_CAP:
             raise InputError(
-                f"verify_rows: t={tokens.size} rows > cap {VERIFY_CAP}: at most {VERIFY_CAP - 1} "
+                f"{what}: t={tokens.size} rows > cap {VERIFY_CAP}: at most {VERIFY_CAP - 1} "
                 "drafts per round (K + 1 rows must stay inside the decode-exact class)"
             )
         self._new_snapshots(self.layers, cache)
@@ -141,7 +162,7 @@ class Glm5Model:
             taps=taps,
         )
         logits, collapsed = self.forward_rows(tokens, cache, stash=ckpt.kda, taps=ckpt.taps)
-        return self.be.to_host(logits), self.be.copy(collapsed), ckpt
+        return logits, self.be.copy(collapsed), ckpt
 
     def rollback(self, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
         """Commit the first `keep` rows of a verify walk (1 <= keep <= t) and undo the rest:

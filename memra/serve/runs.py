@@ -87,10 +87,19 @@ class LogitTap:
         self.rows.append(logits)
         return logits
 
+    def decode_greedy(self, token, cache) -> int:
+        """The logprobs need the row on the host anyway: take the argmax there."""
+        return int(np.argmax(self.decode_step(token, cache)))
+
     def verify_rows(self, token_ids, cache, tap_layers=()):
         out = self._model.verify_rows(token_ids, cache, tap_layers)
         self._verified = out[0]
         return out
+
+    def verify_greedy(self, token_ids, cache, tap_layers=()):
+        """The logprobs need every row on the host anyway: take the argmaxes there."""
+        logits, collapsed, ckpt = self.verify_rows(token_ids, cache, tap_layers)
+        return np.argmax(logits, axis=-1).tolist(), collapsed, ckpt
 
     def rollback(self, cache, ckpt, keep: int) -> None:
         self._model.rollback(cache, ckpt, keep)

@@ -34,11 +34,17 @@ class PlainSession:
         out: list[int] = []
         while len(out) < target and not self.done:
             if self.pending is None:
-                self.pending = self._choose(self.model.decode_step(self.last, self.cache))
+                self.pending = self._next()
             self.last, self.pending = self.pending, None
             out.append(self.last)
             self.done = self.last in eos
         return out
+
+    def _next(self) -> int:
+        """Decode the last token and choose the next (greedy: the argmax, taken on the device)."""
+        if self.sampling is None:
+            return self.model.decode_greedy(self.last, self.cache)
+        return self._choose(self.model.decode_step(self.last, self.cache))
 
     def _choose(self, logits) -> int:
         if self.sampling is None:

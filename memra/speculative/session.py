@@ -183,15 +183,16 @@ class SpecSession:
         with m.phase("draft"):
             drafts, q = self._drafts(k)
         rows = [self.anchor] + drafts
+        verify = model.verify_greedy if self.sampling is None else model.verify_rows
         with m.phase("verify"):
             progress["started"] = True
-            logits, collapsed, progress["ckpt"] = model.verify_rows(rows, self.cache, self.tap_layers)
+            scored, collapsed, progress["ckpt"] = verify(rows, self.cache, self.tap_layers)
         ckpt = progress["ckpt"]
         with m.phase("accept"):
-            if self.sampling is None:
-                j, bonus = greedy_accept(drafts, np.argmax(logits, axis=-1).tolist())
-            else:
-                p_rows = np.stack([filtered_probs(row, self.sampling) for row in logits])
+            if self.sampling is None:  # scored: each row's argmax, taken on the device
+                j, bonus = greedy_accept(drafts, scored)
+            else:  # scored: the rows' logits, on the host
+                p_rows = np.stack([filtered_probs(row, self.sampling) for row in scored])
                 j, bonus = accept_walk(p_rows, drafts, q, self.streams)
         keep = j + 1
         with m.phase("roll"):

@@ -49,6 +49,17 @@ def test_w_verify_rows_equal_the_plain_decode_chain(model, t):
         assert np.array_equal(logits[r], model.decode_step(rows[r], plain)), f"row {r} of t={t}"
 
 
+@pytest.mark.parametrize("t", [1, 8, 15])
+def test_w_verify_greedy_targets_are_the_plain_chain_argmaxes(model, t):
+    """The argmaxes taken on the device are the host argmaxes of the plain chain's logits."""
+    prompt, rows = _prompt(model, seed=t), _prompt(model, t, seed=100 + t)
+    targets, _, _ = model.verify_greedy(rows, _primed(model, prompt))
+    plain = _primed(model, prompt)
+    assert targets == [int(np.argmax(model.decode_step(tok, plain))) for tok in rows]
+    greedy = _primed(model, prompt)
+    assert [model.decode_greedy(tok, greedy) for tok in rows] == targets
+
+
 @pytest.mark.parametrize("j", range(K + 1))
 def test_a_accept_j_then_continue_equals_the_never_drafted_chain(model, j):
     prompt, rows = _prompt(model), _prompt(model, K + 1, seed=50)

@@ -252,13 +252,13 @@ def test_a_failed_rollback_is_rewound_and_the_session_continues(model, prompt, t
 
 def test_a_verify_walk_that_fails_midway_stops_even_demote(model, prompt, tape, monkeypatch):
     faulty, session = open_faulty(model, prompt, tape, "none", 0, inner=EchoDrafter())
-    _fail_on(monkeypatch, model, "verify_rows", 4, after=True)
+    _fail_on(monkeypatch, model, "verify_greedy", 4, after=True)  # a greedy session's walk
     out, exc = burst_until_fault(session)
     assert isinstance(exc, InputError) and "could not be rewound" in str(exc) and session.cache_lost
     out.extend(session.burst(N, K)[0])
     assert out == tape[:len(out)]                # what came before the failed walk is kept and right
     for call in (lambda: session.burst(N, K), session.demote):
-        with pytest.raises(InputError, match="Injected: verify_rows failed after running.*could not be rewound"
+        with pytest.raises(InputError, match="Injected: verify_greedy failed after running.*could not be rewound"
                                              ".*open a new session"):
             call()
 

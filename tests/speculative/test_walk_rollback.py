@@ -76,6 +76,27 @@ def test_verify_rows_are_bit_identical_to_the_plain_decode_chain(model, chain, t
     assert state_diff(live_state(model, cache), chain["states"][t], ignore=("pos",)) == []
 
 
+@pytest.mark.parametrize("t", [1, 8, VERIFY_CAP])
+def test_verify_greedy_targets_are_the_plain_chain_argmaxes(model, chain, t):
+    """The greedy session's walk: the same walk, each row's argmax taken where the logits are."""
+    cache, _ = primed(model, chain["prompt"])
+    targets, collapsed, ckpt = model.verify_greedy(chain["rows"][:t], cache)
+    want = np.argmax(chain["logits"][:t], axis=-1).tolist()
+    assert targets == want and all(type(x) is int for x in targets)
+    assert np.array_equal(host(model, collapsed), chain["collapsed"][:t]) and ckpt.rows == t
+    if t == VERIFY_CAP:  # non-vacuous: the rows disagree, so a row-shifted target list would fail
+        assert len(set(want)) > 1 and targets[1:] != want[:-1]
+
+
+def test_decode_greedy_is_the_argmax_of_decode_step(model, chain):
+    greedy, _ = primed(model, chain["prompt"])
+    plain, _ = primed(model, chain["prompt"])
+    for tok in chain["rows"][:4]:
+        got = model.decode_greedy(tok, greedy)
+        assert type(got) is int and got == int(np.argmax(model.decode_step(tok, plain)))
+    assert greedy.pos == plain.pos and state_diff(live_state(model, greedy), live_state(model, plain)) == []
+
+
 def test_the_walk_finalizes_pools_completed_by_drafted_rows(model, chain):
     """The premise of the pool-key clamp: a walk from a pool boundary over 8 rows finalizes the
     pools its (drafted) rows complete."""

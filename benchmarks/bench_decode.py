@@ -3,12 +3,14 @@
     python benchmarks/bench_decode.py --preset bench --backend cuda --git-sha SHA \
         [--out F] [--steps 32] [--context 512] [--prompt-lens 512,4096]
 
-Measures, in one run: device copy bandwidth (the roof; none for numpy's host arrays); prefill tokens/s for each
-prompt length (model.prime on a fresh cache, random ids; one short warmup prime first, so kernel
-compilation is excluded); plain greedy decode after a --context-token prime: ms/step, tokens/s,
-the weight bytes a step reads (trunk arrays, the num_experts_per_tok routed experts each MoE layer
-reads plus its shared expert, the lm head, one embedding row; not the MTP block) and its fraction
-of the copy bandwidth, the state bytes it reads (reported apart), memra kernel launches per step
+Measures, in one run: device copy bandwidth (the roof; none for numpy's host arrays); prefill
+tokens/s for each prompt length (model.prime on a fresh cache, random ids; one short warmup prime
+first, so kernel compilation is excluded) and, for the shortest, how far its last logits are
+from the same prompt primed in exact-class walks of VERIFY_CAP rows (max difference over the
+largest logit); plain greedy decode after a --context-token prime: ms/step, tokens/s, the weight
+bytes a step reads (trunk arrays, the num_experts_per_tok routed experts each MoE layer reads
+plus its shared expert, the lm head, one embedding row; not the MTP block) and its fraction of
+the copy bandwidth, the state bytes it reads (reported apart), memra kernel launches per step
 and the host's share of a step (its wall time minus the time blocked waiting for the step's
 token: the greedy step's argmax, taken on the device, as PlainSession takes it).
 Where the cache's walk runner captures graphs (cuda), the decode runs twice on one cache: eager
@@ -36,6 +38,7 @@ from benchmarks.common import (  # noqa: E402
     state_bytes, timed_call, weight_bytes,
 )
 from benchmarks.kernel_profile import kernel_profile  # noqa: E402
+from memra.limits import VERIFY_CAP  # noqa: E402
 
 WARMUP_PROMPT = 32   # tokens of the untimed prime that compiles every kernel family
 COUNTED_STEPS = 4    # eager decode steps run again with launches counted (counting slows the host)
@@ -53,6 +56,8 @@ def prefill(model, lengths: list[int], seed: int) -> dict:
         tokens, cache = random_tokens(model.cfg, n, seed), model.new_cache(n)
         ms, _ = timed_call(partial(model.prime, tokens, cache), model.be)
         out[f"prompt_{n}"] = {"tokens": n, "ms": ms, "tokens_per_s": n / ms * 1e3}
+    shortest = random_tokens(model.cfg, min(lengths), seed)
+    out[f"prompt_{shortest.size}"]["logits_vs_exact_class"] = prime_vs_exact(model, shortest)
     longest = random_tokens(model.cfg, max(lengths), seed)
     with counted_launches() as launches:
         model.prime(longest, model.new_cache(longest.size))
@@ -60,6 +65,16 @@ def prefill(model, lengths: list[int], seed: int) -> dict:
         out[f"prompt_{longest.size}"]["kernel_profile"] = kernel_profile(
             lambda: model.prime(longest, model.new_cache(longest.size)), 1, list(launches))
     return out
+
+
+def prime_vs_exact(model, tokens) -> float:
+    """max |logits| difference, over the largest logit, between one prime of `tokens` (prime
+    class past VERIFY_CAP rows: cuBLAS) and the same prompt primed in exact-class walks."""
+    cache = model.new_cache(tokens.size)
+    for start in range(0, tokens.size, VERIFY_CAP):
+        exact = model.prime(tokens[start:start + VERIFY_CAP], cache)
+    got = model.prime(tokens, model.new_cache(tokens.size))
+    return float(np.abs(got - exact).max() / np.abs(exact).max())
 
 
 @contextlib.contextmanager
@@ -133,7 +148,8 @@ def card(record: dict) -> list[str]:
     lines = [f"bench_decode {record['config']['preset']} on {record['device']}"
              + (f"  copy bandwidth {roof:.0f} GB/s" if roof else "")]
     for name, p in record["prefill"].items():
-        lines.append(f"  prefill {name:<12} {p['ms']:10.2f} ms  {p['tokens_per_s']:10.0f} tokens/s")
+        lines.append(f"  prefill {name:<12} {p['ms']:10.2f} ms  {p['tokens_per_s']:10.0f} tokens/s"
+                     + (f"  logits vs exact class {p['logits_vs_exact_class']:.2e}" if "logits_vs_exact_class" in p else ""))
     frac = d["bandwidth_fraction"]
     lines.append(f"  decode  {d['ms_per_step']:8.3f} ms/step  {d['tokens_per_s']:8.1f} tokens/s  "
                  f"weights {d['weight_bytes_per_step'] / 1e9:6.2f} GB/step"

@@ -12,6 +12,8 @@ __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
     return __uint_as_float(((unsigned int)b) << 16);
 }
 
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
 __device__ __forceinline__ float sigmoidf_exact(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 __device__ __forceinline__ float siluf_exact(float x) { return x * sigmoidf_exact(x); }

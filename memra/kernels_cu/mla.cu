@@ -5,8 +5,6 @@
 // t-row launch is bit-identical to the same row launched alone.
 #include "common.cuh"
 
-static __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
 // One pool key channel: the P slot keys (stride Di from k, g) mixed by a softmax over the slots
 // of gate + ape, slots taken in order (max, then the sum, then the weighted sum).
 static __device__ float pool_channel(const float* k, const float* g, const float* ape, int P,

@@ -232,7 +232,8 @@ class Glm5Model:
     # ---- the walk ----------------------------------------------------------------------------
     def forward_rows(self, tokens: np.ndarray, cache: Cache, stash: dict | None = None,
                      taps: dict | None = None, replay: bool = True):
-        """One walk over t rows at positions cache.pos.. -> (logits [t, V], collapsed [t, D]).
+        """One walk over t rows at positions cache.pos.. -> (logits [t, V], collapsed [t, D]);
+        past VERIFY_CAP rows (a prompt) the logits are the last row's only, [1, V].
 
         Writes every state plane for the t rows; does not move cache.pos (the caller commits).
         `stash` (layer -> dict) collects the KDA rollback material; `taps` (layer -> None) is
@@ -283,9 +284,11 @@ class Glm5Model:
         return streams
 
     def _head(self, streams):
-        """Final streams -> (logits, collapsed pre-final-norm rows)."""
+        """Final streams -> (logits, collapsed pre-final-norm rows). A walk of more rows than
+        VERIFY_CAP is a prompt, whose caller reads the last row's logits only: it gets [1, V]."""
         collapsed = self.be.stream_mean(streams)
-        return self.be.linear(self._norm(collapsed, self.final_norm), self.lm_head), collapsed
+        rows = collapsed if collapsed.shape[0] <= VERIFY_CAP else collapsed[-1:]
+        return self.be.linear(self._norm(rows, self.final_norm), self.lm_head), collapsed
 
     def _norm(self, x, w):
         return self.be.rmsnorm(x, w, self.cfg.rms_norm_eps)

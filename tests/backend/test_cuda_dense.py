@@ -26,7 +26,7 @@ from memra.backend.numpy_ref import NumpyBackend  # noqa: E402
 from memra.errors import InputError  # noqa: E402
 from memra.safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: E402
 from tests.backend.harness import (  # noqa: E402
-    ROWS, OpGates, RedArm, assert_matches_numpy, draw, row_mismatches, split_dot, table)
+    OpGates, RedArm, assert_matches_numpy, split_dot, table)
 from tests.backend.inputs import make_head_linear, make_linear, make_rows, normal  # noqa: E402
 
 F32 = np.float32
@@ -118,10 +118,10 @@ def _case(name):
 # ---- projections beyond the table ------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["linear_long_in", "linear_bf16_odd", "linear_bf16_wide_odd", "head_linear_bf16"])
-def test_projection_beyond_one_row_tile_stays_accurate_and_row_exact(name):
-    """t > 16 (prime class) takes several weight passes; each row's order is still its own."""
+def test_prime_class_projection_stays_accurate(name):
+    """t > VERIFY_CAP (a prompt): cuBLAS for `linear` (test_cuda_prime.py), several weight passes
+    of the exact tiles for `head_linear`; accuracy is the contract, not row invariance."""
     assert_matches_numpy(DenseOps(), _case(name), 37)
-    assert row_mismatches(DenseOps(), _case(name), *draw(_case(name), ROWS, 37)) == []
 
 
 def test_split_k_follows_the_shape_never_the_exact_class_row_count():

@@ -23,7 +23,7 @@ cp = cupy_or_skip()
 from memra.backend.cuda.mla import MlaOps  # noqa: E402
 from memra.backend.cuda.runtime import position  # noqa: E402
 from memra.backend.numpy_ref import NumpyBackend  # noqa: E402
-from tests.backend.harness import T_MAX, OpGates, RedArm, table  # noqa: E402
+from tests.backend.harness import NUMPY, T_MAX, OpGates, RedArm, table  # noqa: E402
 from tests.backend.inputs import normal, uniform  # noqa: E402
 
 F32 = np.float32
@@ -103,6 +103,9 @@ CASES = [
     case("mla_attend_small", *_mla(4, 32, 49)),
     case("mla_attend_small_from_3", *_mla(4, 32, 3)),
     case("mla_attend_odd_dense", *_mla(3, 67, 0), ts=(1, 7, 13, 15)),
+    # prime class: dense GEMMs under the selection's mask (backend/cuda/prime.py)
+    case("mla_attend_prime", *_mla(4, 32, 3), gates=frozenset({NUMPY}), ts=(16, 40)),
+    case("mla_attend_prime_dense", *_mla(3, 67, 0), gates=frozenset({NUMPY}), ts=(40,)),
 ]
 
 

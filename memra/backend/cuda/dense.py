@@ -23,6 +23,7 @@ import numpy as np
 import cupy as cp
 
 from memra.backend.cuda.fp8 import DeviceFp8
+from memra.backend.cuda.prime import is_prime, prime_linear
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, check, f32, i32, launch, position, weight_kind
 from memra.errors import InputError
 from memra.kernels_cu.constants import BF16_OUTS, OUTS_PER_WARP, SPLIT_KC, WARPS_PER_BLOCK
@@ -110,7 +111,8 @@ class DenseOps:
         return out
 
     def linear(self, x, w):
-        """y[r] = w @ x[r]; x [t, in], w [out, in] (float32, bf16 bits or DeviceFp8) -> [t, out]."""
+        """y[r] = w @ x[r]; x [t, in], w [out, in] (float32, bf16 bits or DeviceFp8) -> [t, out].
+        More than VERIFY_CAP rows (a prompt) of a float32 or bf16 weight go to cuBLAS (prime.py)."""
         if isinstance(w, DeviceFp8):
             return _linear_fp8(x, w)
         kind = weight_kind(w, "w")
@@ -118,6 +120,8 @@ class DenseOps:
         n_out, n_in = w.shape
         assert x.ndim == 2 and x.shape[1] == n_in, f"x: expected [t, {n_in}], got {x.shape}"
         t = x.shape[0]
+        if is_prime(t):
+            return prime_linear(x, w)
         out = cp.empty((t, n_out), cp.float32)
         if not (t and n_out):
             return out

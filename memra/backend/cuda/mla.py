@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import cupy as cp
 
+from memra.backend.cuda.prime import is_prime, prime_attend
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, position
 from memra.kernels_cu.constants import ATT_POS, MIX_CHANNELS, MIX_HEADS
 
@@ -84,6 +85,8 @@ class MlaOps:
         width = positions.shape[1]
         if t * h * width == 0:  # an empty list attends nothing
             return cp.zeros((t, h, rank), cp.float32)
+        if is_prime(t):  # a prompt: dense float32 GEMMs under the selection's mask (prime.py)
+            return prime_attend(q_lat, latent, positions, scale)
         out = cp.empty((t, h, rank), cp.float32)
         probs = cp.empty((t * h, width), cp.float32)
         launch("mla", "mla_scores", (blocks_of(width, ATT_POS), t), (BLOCK,),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import cupy as cp
 
 from memra.backend.cuda.fp8 import DeviceFp8
+from memra.backend.cuda.prime import is_prime, prime_experts
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, weight_kind
 from memra.kernels_cu.constants import (BF16_OUTS, GATE_UP_UNITS, MAX_GROUPS, MAX_TOPK,
                                         MOE_MAX_EXPERTS, WARPS_PER_BLOCK)
@@ -40,9 +41,12 @@ class MoeOps:
         weights = cp.empty((t, k), cp.float32)
         if t == 0:
             return experts, weights
-        logits = cp.empty((t, e), cp.float32)
-        launch("moe", "moe_router_logits", (blocks_of(e, WARPS_PER_BLOCK),), (BLOCK,),
-               (x, w_gate, logits, i32(t), i32(e), i32(d)))
+        if is_prime(t):  # a prompt: one float32 GEMM (prime.py)
+            logits = cp.ascontiguousarray(cp.matmul(x, w_gate.T))
+        else:
+            logits = cp.empty((t, e), cp.float32)
+            launch("moe", "moe_router_logits", (blocks_of(e, WARPS_PER_BLOCK),), (BLOCK,),
+                   (x, w_gate, logits, i32(t), i32(e), i32(d)))
         launch("moe", "moe_route_select", (blocks_of(t, ROUTE_ROWS),), (32 * ROUTE_ROWS,),
                (logits, bias, experts, weights, i32(t), i32(e), i32(n_group),
                 i32(topk_group), i32(k), i32(bool(renormalize)), f32(scaling)),
@@ -74,9 +78,11 @@ class MoeOps:
             out.fill(0)
             return out
         # zeroed so a slot whose expert id matches no block adds 0 rather than garbage
-        h = cp.zeros((t, k, inter), cp.float32)
         y = cp.zeros((t, k, d), cp.float32)
-        if kind == "fp8":  # the bf16 tiles below, one byte per weight and a scale per 128-block
+        h = None if is_prime(t) and kind == "bf16" else cp.zeros((t, k, inter), cp.float32)
+        if h is None:  # a prompt: cuBLAS GEMMs per routed expert (prime.py)
+            prime_experts(x, idx, gate_w, up_w, down_w, y.reshape(t * k, d), limit)
+        elif kind == "fp8":  # the bf16 tiles below, one byte per weight and a scale per 128-block
             self._experts_fp8(x, idx, gate_w, up_w, down_w, h, y, limit)
         elif kind == "bf16":  # tensor-core tiles of gate|up units and of outputs; 8 or 16 rows a pass
             # blocks only for the experts the rows route to: their ascending list, made on the device

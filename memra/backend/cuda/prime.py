@@ -1,0 +1,139 @@
+"""The prime class of the CUDA backend (kernels_cu/prime.cu + cuBLAS): a prompt's rows past the
+exact class's cap.
+
+DESIGN.md section 2: a walk of more than VERIFY_CAP rows is a prefill, whose results feed plain
+and speculative generation alike, so it needs accuracy, not row invariance. Its projections,
+routed experts and attention run as cuBLAS GEMMs instead of the exact tiles (which read every
+weight once per 16 rows and run at under 2% of the tensor cores' rate on a long prompt):
+
+* a bf16 weight meets the three exact bf16 pieces of each float32 activation (x = hi + mid +
+  lo, the split exact_mma.cuh makes) in three bf16 GEMMs accumulated in float32, so every
+  product is a float32-exact one, as in the exact tiles; only the summation order differs;
+* a float32 weight (test fixtures) or float32 operands on both sides (router logits, attention
+  scores and mixes) run as float32 GEMMs (cupy.matmul: no TF32 unless CUPY_TF32 is set).
+
+    y = prime_linear(x, w_bf16)         # x [t, in] float32, t > VERIFY_CAP
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import cupy as cp
+from cupy_backends.cuda.libs import cublas
+
+from memra.backend.cuda.runtime import BLOCK, MAX_GRID, blocks_of, check, f32, i32, launch
+from memra.limits import VERIFY_CAP
+
+R_16BF, R_32F = 14, 0                    # cudaDataType
+COMPUTE_32F, GEMM_DEFAULT = 68, -1       # cublasComputeType_t, cublasGemmAlgo_t
+POINTER_HOST = 0                         # cublasPointerMode_t: alpha and beta live on the host
+PIECES = 3                               # hi, mid, lo
+ATTEND_BYTES = 1 << 29                   # float32 scores one attention chunk may hold
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+
+def is_prime(t: int) -> bool:
+    """A call of t rows is prime class: more rows than any exact-class walk (decode, verify) has."""
+    return t > VERIFY_CAP
+
+
+def pieces(x, rows=None):
+    """[PIECES, m, d] bf16 bits of x [t, d] float32 (or of x[rows], rows int64 [m])."""
+    check(x, cp.float32, "x")
+    if rows is not None:
+        check(rows, cp.int64, "rows")
+    m, d = (x.shape[0] if rows is None else rows.size), x.shape[1]
+    out = cp.empty((PIECES, m, d), cp.uint16)
+    if m * d:
+        launch("prime", "bf16_pieces", (min(blocks_of(m * d), MAX_GRID),), (BLOCK,),
+               (x, rows if rows is not None else np.uint64(0), out, np.int64(m), i32(d)))
+    return out
+
+
+def gemm_pieces(xp, start: int, m: int, w, out) -> None:
+    """out [m, n_out] = sum over the pieces of xp[p, start:start + m] @ w.T, accumulated in float32
+    from the smallest piece up; w [n_out, n_in] bf16 bits (a contiguous matrix or expert slice)."""
+    check(w, cp.uint16, "w")
+    check(out, cp.float32, "out")
+    n_out, n_in = w.shape
+    assert xp.shape[2] == n_in and out.shape == (m, n_out), (xp.shape, w.shape, out.shape)
+    if not (m and n_out):
+        return
+    if not n_in:
+        out.fill(0)
+        return
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    cublas.setPointerMode(handle, POINTER_HOST)
+    rows = xp.shape[1]
+    for i, piece in enumerate(reversed(range(PIECES))):
+        # column-major view: out^T [n_out, m] = (w as [n_in, n_out])^T @ (piece as [n_in, m])
+        b = xp.data.ptr + 2 * (piece * rows + start) * n_in
+        beta = _ZERO if i == 0 else _ONE
+        cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, m, n_in,
+                      _ONE.ctypes.data, w.data.ptr, R_16BF, n_in, b, R_16BF, n_in,
+                      beta.ctypes.data, out.data.ptr, R_32F, n_out, COMPUTE_32F, GEMM_DEFAULT)
+
+
+def prime_linear(x, w):
+    """y = x @ w.T for prime-class rows; w [out, in] float32 or bf16 bits."""
+    check(x, cp.float32, "x")
+    if w.dtype == cp.float32:
+        return cp.ascontiguousarray(cp.matmul(x, w.T))
+    out = cp.empty((x.shape[0], w.shape[0]), cp.float32)
+    gemm_pieces(pieces(x), 0, x.shape[0], w, out)
+    return out
+
+
+def swiglu_pieces(gate, up, limit: float):
+    """The bf16 pieces of swiglu(gate, up) [m, I]: the routed experts' down-projection input."""
+    check(gate, cp.float32, "gate")
+    check(up, cp.float32, "up")
+    out = cp.empty((PIECES, *gate.shape), cp.uint16)
+    if gate.size:
+        launch("prime", "swiglu_pieces", (min(blocks_of(gate.size), MAX_GRID),), (BLOCK,),
+               (gate, up, out, np.int64(gate.size), f32(limit)))
+    return out
+
+
+def prime_experts(x, idx, gate_w, up_w, down_w, y, limit: float) -> None:
+    """Each (row, slot)'s expert output into y [t * k, D]: the slots sorted by expert, then per
+    routed expert three GEMMs over its gathered rows (the host reads the counts once)."""
+    t, k = idx.shape
+    order = cp.argsort(idx.reshape(-1))
+    counts = cp.asnumpy(cp.bincount(idx.reshape(-1), minlength=gate_w.shape[0]))
+    xp = pieces(x, order // k)
+    inter = gate_w.shape[1]
+    ys = cp.empty_like(y)
+    start = 0
+    for e, m in enumerate(counts.tolist()):
+        if m:
+            gate, up = cp.empty((m, inter), cp.float32), cp.empty((m, inter), cp.float32)
+            gemm_pieces(xp, start, m, gate_w[e], gate)
+            gemm_pieces(xp, start, m, up_w[e], up)
+            gemm_pieces(swiglu_pieces(gate, up, limit), 0, m, down_w[e], ys[start:start + m])
+        start += m
+    y[order] = ys
+
+
+def prime_attend(q_lat, latent, positions, scale: float):
+    """Absorbed attention over each row's position list as dense float32 GEMMs: scores of every
+    row against the latent rows up to its chunk's last listed position, a masked softmax (the
+    unlisted positions weigh 0), then the mix. Rows go in chunks of at most ATTEND_BYTES of scores."""
+    t, h, rank = q_lat.shape
+    width = positions.shape[1]
+    out = cp.empty((t, h, rank), cp.float32)
+    ctx_all = max(int(positions.max()) + 1, 1)
+    chunk = max(1, ATTEND_BYTES // (4 * h * ctx_all))
+    for r0 in range(0, t, chunk):
+        pos = positions[r0:r0 + chunk]
+        n, ctx = pos.shape[0], max(int(pos.max()) + 1, 1)
+        keep = cp.zeros((n, ctx), cp.uint8)
+        launch("prime", "selection_mask", (min(blocks_of(n * width), MAX_GRID),), (BLOCK,),
+               (pos, keep, i32(n), i32(width), i32(ctx)))
+        lat = latent[:ctx]
+        scores = cp.ascontiguousarray(cp.matmul(q_lat[r0:r0 + n].reshape(n * h, rank), lat.T))
+        launch("prime", "masked_softmax", (n * h,), (BLOCK,), (scores, keep, i32(h), i32(ctx), f32(scale)))
+        out[r0:r0 + n] = cp.matmul(scores, lat).reshape(n, h, rank)
+    return out

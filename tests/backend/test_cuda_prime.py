@@ -1,0 +1,120 @@
+"""The prime class on the CUDA backend (backend/cuda/prime.py, kernels_cu/prime.cu), GPU host only.
+
+A walk of more than VERIFY_CAP rows is a prompt: its projections, routed experts and attention
+run as cuBLAS GEMMs, accurate rather than row invariant (DESIGN.md section 2). The gates:
+
+* a bf16 projection through three bf16 pieces per activation is float32-accurate: its error
+  against a float64 reference stays under PRIME_REL of the outputs' RMS, and the red arms (the
+  lo piece dropped, mid and lo dropped) break that bound on the same inputs;
+* the pieces add back to the activations bit for bit (identity weight);
+* a whole prompt primed in one prime-class walk ends in logits within PRIME_LOGITS of the same
+  prompt primed through the exact class (walks of at most VERIFY_CAP rows), and a perturbed
+  weight on the prime side alone is caught.
+The routed experts, router and attention of a prompt are checked against numpy in the family
+tables (test_cuda_moe.py, test_cuda_mla.py: the `_prime` cases).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.gpu import cupy_or_skip
+
+pytestmark = pytest.mark.gpu
+cp = cupy_or_skip()
+
+from memra import load_model  # noqa: E402
+from memra.backend.cuda import prime  # noqa: E402
+from memra.backend.cuda.dense import DenseOps  # noqa: E402
+from memra.limits import VERIFY_CAP  # noqa: E402
+from memra.safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: E402
+from tests.backend.inputs import normal  # noqa: E402
+
+PRIME_REL = 4e-6      # max |y - y64| / rms(y64): float32 products, float32 sums (~64 ulps)
+PRIME_LOGITS = 2e-4   # max |prime - exact| / max |exact| over the last row's logits
+
+
+def _inputs(t, n_in, n_out, seed=0):
+    rng = np.random.default_rng(seed)
+    x = normal(rng, (t, n_in))
+    w = f32_to_bf16(normal(rng, (n_out, n_in), n_in ** -0.5))
+    want = x.astype(np.float64) @ bf16_to_f32(w).astype(np.float64).T
+    return cp.asarray(x), cp.asarray(w), want
+
+
+def _rel_error(got, want) -> float:
+    err = float(np.abs(cp.asnumpy(got) - want).max() / np.sqrt(np.mean(want ** 2)))
+    print(f"projection error {err:.3e} of the outputs' rms")
+    return err
+
+
+@pytest.mark.parametrize("t, n_in, n_out", [(16, 300, 70), (40, 4100, 33), (300, 1029, 257)])
+def test_prime_projection_is_float32_accurate(t, n_in, n_out):
+    x, w, want = _inputs(t, n_in, n_out)
+    got = DenseOps().linear(x, w)
+    assert prime.is_prime(t) and got.shape == (t, n_out)
+    assert _rel_error(got, want) <= PRIME_REL
+
+
+@pytest.mark.parametrize("dropped", [(2,), (1, 2)])
+def test_red_arm_a_dropped_piece_breaks_the_accuracy_bound(dropped):
+    x, w, want = _inputs(300, 1029, 257)
+    xp = prime.pieces(x)
+    for piece in dropped:
+        xp[piece] = 0
+    got = cp.empty((300, 257), cp.float32)
+    prime.gemm_pieces(xp, 0, 300, w, got)
+    assert _rel_error(got, want) > PRIME_REL
+    assert _rel_error(DenseOps().linear(x, w), want) <= PRIME_REL  # the real op, same inputs
+
+
+def test_pieces_add_back_to_the_activations_bit_for_bit():
+    x = cp.asarray(normal(np.random.default_rng(5), (VERIFY_CAP + 5, 256)) * np.float32(1e3))
+    eye = cp.asarray(f32_to_bf16(np.eye(256, dtype=np.float32)))
+    assert cp.array_equal(prime.prime_linear(x, eye), x)
+
+
+def test_gathered_pieces_read_the_named_rows():
+    x = cp.asarray(normal(np.random.default_rng(6), (20, 64)))
+    rows = cp.asarray(np.array([19, 0, 7, 7], np.int64))
+    assert cp.array_equal(prime.pieces(x, rows), prime.pieces(x)[:, rows])
+
+
+@pytest.fixture(scope="module")
+def small_bf16(fixture_dir):
+    return load_model(fixture_dir("small", seed=13, dtype="bfloat16"), backend="cuda")
+
+
+def _exact_prime(model, prompt, cache):
+    """The prompt through exact-class walks of at most VERIFY_CAP rows."""
+    for start in range(0, len(prompt), VERIFY_CAP):
+        logits = model.prime(prompt[start:start + VERIFY_CAP], cache)
+    return logits
+
+
+def _prime_vs_exact(model, prompt) -> float:
+    want = _exact_prime(model, prompt, model.new_cache(len(prompt)))
+    got = model.prime(prompt, model.new_cache(len(prompt)))
+    worst = float(np.abs(got - want).max() / np.abs(want).max())
+    print(f"prime vs exact-class logits: {worst:.3e} of the largest logit")
+    return worst
+
+
+def test_a_prime_class_prompt_ends_in_the_exact_class_logits_within_tolerance(small_bf16):
+    prompt = np.random.default_rng(9).integers(0, small_bf16.cfg.vocab_size, 70)
+    assert _prime_vs_exact(small_bf16, prompt) <= PRIME_LOGITS
+
+
+def test_red_arm_a_perturbed_prime_projection_is_caught(small_bf16, monkeypatch):
+    """A 0.2% error on the prime-class projections' outputs (alternating sign by output, so no
+    norm cancels it) moves the logits past the bound; the exact-class side is untouched."""
+    prompt = np.random.default_rng(9).integers(0, small_bf16.cfg.vocab_size, 70)
+    real = prime.prime_linear
+
+    def perturbed(x, w):
+        y = real(x, w)
+        return y * cp.where(cp.arange(y.shape[1]) % 2 == 0, cp.float32(1.002), cp.float32(0.998))
+
+    monkeypatch.setattr("memra.backend.cuda.dense.prime_linear", perturbed)
+    assert _prime_vs_exact(small_bf16, prompt) > PRIME_LOGITS

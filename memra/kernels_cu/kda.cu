@@ -9,7 +9,6 @@
 // The wrapper asserts conv taps K <= KDA_MAX_CONV and key dim dk <= KDA_MAX_DK.
 static_assert(KDA_MAX_DK % 32 == 0, "a warp's lanes share a state column evenly");
 static_assert(MEMRA_BLOCK == 32 * WARPS_PER_BLOCK, "kda_recurrence: a block's warps are its columns");
-#define KDA_SLOTS (KDA_MAX_DK / 32)  // S entries each lane holds for its column
 
 // Fixed xor-butterfly over 32 lanes, then lane 0's value to all (one bit pattern per warp).
 static __device__ __forceinline__ float kda_warp_sum(float v) {
@@ -72,54 +71,80 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // so a rollback to the first r + 1 rows is a copy instead of a replay. A warp holds a column of
 // S, so the block's WARPS_PER_BLOCK columns go through shared memory and out as rows of adjacent
 // columns (a warp writing its column alone would touch a 32-byte sector per float).
-extern "C" __global__ void kda_recurrence(const float* __restrict__ q, const float* __restrict__ k,
-                                          const float* __restrict__ v, const float* __restrict__ g,
-                                          const float* __restrict__ beta, float* __restrict__ state,
-                                          float* __restrict__ out, int t, int hk, int dk, int dv,
-                                          float* __restrict__ rows, long long row_stride) {
+// SLOTS: S entries each lane holds (ceil(dk / 32) rounded up to a kernel below); more slots
+// than dk needs only idle, so every instantiation does a given dk's arithmetic alike.
+template <int SLOTS>
+static __device__ void kda_rows(const float* __restrict__ q, const float* __restrict__ k,
+                                const float* __restrict__ v, const float* __restrict__ g,
+                                const float* __restrict__ beta, float* __restrict__ state,
+                                float* __restrict__ out, int t, int hk, int dk, int dv,
+                                float* __restrict__ rows, long long row_stride) {
     __shared__ float tile[WARPS_PER_BLOCK][KDA_MAX_DK + 1];
     const int h = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int j0 = blockIdx.y * WARPS_PER_BLOCK, j = j0 + warp;
     const bool active = j < dv, snapping = rows != nullptr && t > 1;
     if (!active && !snapping) return;  // a whole warp leaves; with snapshots it joins the barriers
     float* col = state + (long long)h * dk * dv + (active ? j : 0);
-    float s[KDA_SLOTS], kk[KDA_SLOTS];
+    // row r + 1's inputs load while row r computes (the same arithmetic, in the same order)
+    float s[SLOTS], gn[SLOTS], kn[SLOTS], qn[SLOTS], vn = 0.0f, bn = 0.0f;
 #pragma unroll
-    for (int m = 0; m < KDA_SLOTS; ++m) {
+    for (int m = 0; m < SLOTS; ++m) {
         const int i = lane + 32 * m;
         s[m] = active && i < dk ? col[(long long)i * dv] : 0.0f;
     }
+    auto fetch = [&](int r) {
+        if (!active || r >= t) return;
+        const long long kb = ((long long)r * hk + h) * dk;
+#pragma unroll
+        for (int m = 0; m < SLOTS; ++m) {
+            const int i = lane + 32 * m;
+            if (i < dk) {
+                gn[m] = g[kb + i];
+                kn[m] = k[kb + i];
+                qn[m] = q[kb + i];
+            }
+        }
+        vn = v[((long long)r * hk + h) * dv + j];
+        bn = beta[(long long)r * hk + h];
+    };
+    fetch(0);
     for (int r = 0; r < t; ++r) {
         if (active) {
-            const long long kb = ((long long)r * hk + h) * dk;
-            const long long vb = ((long long)r * hk + h) * dv;
+            float gg[SLOTS], kk[SLOTS], qq[SLOTS];
+#pragma unroll
+            for (int m = 0; m < SLOTS; ++m) {
+                gg[m] = gn[m];
+                kk[m] = kn[m];
+                qq[m] = qn[m];
+            }
+            const float vr = vn, br = bn;
+            fetch(r + 1);
             float ks = 0.0f;
 #pragma unroll
-            for (int m = 0; m < KDA_SLOTS; ++m) {
+            for (int m = 0; m < SLOTS; ++m) {
                 const int i = lane + 32 * m;
                 if (i < dk) {
-                    s[m] = s[m] * expf(g[kb + i]);
-                    kk[m] = k[kb + i];
+                    s[m] = s[m] * expf(gg[m]);
                     ks += kk[m] * s[m];
                 }
             }
             ks = kda_warp_sum(ks);
-            const float delta = (v[vb + j] - ks) * beta[(long long)r * hk + h];
+            const float delta = (vr - ks) * br;
             float qs = 0.0f;
 #pragma unroll
-            for (int m = 0; m < KDA_SLOTS; ++m) {
+            for (int m = 0; m < SLOTS; ++m) {
                 const int i = lane + 32 * m;
                 if (i < dk) {
                     s[m] = s[m] + kk[m] * delta;
-                    qs += q[kb + i] * s[m];
+                    qs += qq[m] * s[m];
                 }
             }
             qs = kda_warp_sum(qs);
-            if (lane == 0) out[vb + j] = qs;
+            if (lane == 0) out[((long long)r * hk + h) * dv + j] = qs;
         }
         if (snapping && r < t - 1) {
 #pragma unroll
-            for (int m = 0; m < KDA_SLOTS; ++m) {
+            for (int m = 0; m < SLOTS; ++m) {
                 const int i = lane + 32 * m;
                 if (active && i < dk) tile[warp][i] = s[m];
             }
@@ -135,8 +160,19 @@ extern "C" __global__ void kda_recurrence(const float* __restrict__ q, const flo
     }
     if (!active) return;
 #pragma unroll
-    for (int m = 0; m < KDA_SLOTS; ++m) {
+    for (int m = 0; m < SLOTS; ++m) {
         const int i = lane + 32 * m;
         if (i < dk) col[(long long)i * dv] = s[m];
     }
 }
+
+#define KDA_RECURRENCE(NAME, SLOTS)                                                                  \
+    extern "C" __global__ void NAME(const float* __restrict__ q, const float* __restrict__ k,         \
+                                    const float* __restrict__ v, const float* __restrict__ g,         \
+                                    const float* __restrict__ beta, float* __restrict__ state,        \
+                                    float* __restrict__ out, int t, int hk, int dk, int dv,           \
+                                    float* __restrict__ rows, long long row_stride) {                 \
+        kda_rows<SLOTS>(q, k, v, g, beta, state, out, t, hk, dk, dv, rows, row_stride);             \
+    }
+KDA_RECURRENCE(kda_recurrence_s4, 4)             // dk <= 128 (every KDA checkpoint so far)
+KDA_RECURRENCE(kda_recurrence, KDA_MAX_DK / 32)  // up to KDA_MAX_DK

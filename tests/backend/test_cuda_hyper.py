@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
 from memra.backend.cuda.hyper import HyperOps  # noqa: E402
-from tests.backend.harness import OpGates, RedArm, SplitDot, dot_case, table  # noqa: E402
+from tests.backend.harness import NUMPY, OpGates, RedArm, SplitDot, dot_case, table  # noqa: E402
 from tests.backend.inputs import normal, uniform  # noqa: E402
 
 # op -> (rtol, atol) against NumpyBackend: CUDA expf (a few ulp) and the fixed GPU reduction
@@ -67,6 +67,9 @@ CASES = [
     case("hc_weights_mini", *_hc_weights(4, 128, 20)),
     case("hc_weights_small", *_hc_weights(4, 64, 20)),
     case("hc_weights_odd", *_hc_weights(3, 67, 3)),
+    # prime class: the matvec as one float32 GEMM (backend/cuda/prime.py)
+    case("hc_weights_prime", *_hc_weights(4, 128, 20), gates=frozenset({NUMPY}), ts=(16, 40)),
+    case("hc_weights_prime_odd", *_hc_weights(3, 67, 3), gates=frozenset({NUMPY}), ts=(17,)),
     case("hc_collapse_mini", *_hc_collapse(4, 128)),
     case("hc_collapse_small", *_hc_collapse(4, 64)),
     case("hc_collapse_odd", *_hc_collapse(3, 67)),

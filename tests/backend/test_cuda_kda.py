@@ -75,6 +75,7 @@ CASES = [
     case("kda_recurrence_small", *_kda_recurrence(2, 32, 32), **STATE),
     case("kda_recurrence_dk128_h2", *_kda_recurrence(2, 128, 128), **STATE),
     case("kda_recurrence_odd", *_kda_recurrence(3, 40, 24), **STATE),
+    case("kda_recurrence_dk160", *_kda_recurrence(1, 160, 40), **STATE),  # past 4 slots: the wide kernel
 ]
 
 
@@ -124,3 +125,23 @@ def test_strided_read_only_inputs_are_accepted():
     a = ops.kda_recurrence(dev["q"], dev["k"], wide, dev["g"], dev["beta"], cp.asarray(shared["state"]))
     b = ops.kda_recurrence(dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], cp.asarray(shared["state"]))
     assert cp.array_equal(a, b)
+
+
+@pytest.mark.parametrize("dk, dv", [(128, 128), (40, 24)])
+def test_the_four_slot_kernel_is_the_wide_kernel_bit_for_bit(dk, dv):
+    """dk <= 128 takes kda_recurrence_s4 (fewer registers); the kernel for KDA_MAX_DK does the same
+    arithmetic with idle slots, so outputs and state agree as bytes, over a prompt's 40 rows too."""
+    from memra.backend.cuda.runtime import BLOCK, i32, launch
+    from memra.kernels_cu.constants import WARPS_PER_BLOCK
+
+    rows, shared = _kda_recurrence(2, dk, dv)[0](np.random.default_rng(dk), 40)
+    args = [cp.asarray(rows[n]) for n in ("q", "k", "v", "g", "beta")]
+    results = []
+    for name in ("kda_recurrence_s4", "kda_recurrence"):
+        state, out = cp.asarray(shared["state"]), cp.empty((40, 2, dv), cp.float32)
+        launch("kda", name, (2, (dv + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK), (BLOCK,),
+               (*args, state, out, i32(40), i32(2), i32(dk), i32(dv), np.uint64(0), np.int64(0)))
+        results.append((cp.asnumpy(out), cp.asnumpy(state)))
+    assert results[0][0].tobytes() == results[1][0].tobytes()
+    assert results[0][1].tobytes() == results[1][1].tobytes()
+    assert not np.array_equal(results[0][1], shared["state"])  # the state moved

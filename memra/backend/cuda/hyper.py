@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import cupy as cp
 
+from memra.backend.cuda.prime import is_prime, prime_hc_partials
 from memra.backend.cuda.runtime import BLOCK, device_input, f32, grid_1d, i32, launch
 from memra.kernels_cu.constants import HC_CHUNK, HC_MAX_N, HC_SLOTS
 
@@ -28,10 +29,14 @@ class HyperOps:
         pre, post = cp.empty((t, n), cp.float32), cp.empty((t, n), cp.float32)
         comb = cp.empty((t, n, n), cp.float32)
         if t:
-            chunks = (n * d + HC_CHUNK - 1) // HC_CHUNK
-            part = cp.empty((t, chunks, (2 + n) * n + 1), cp.float32)
-            slots = ((2 + n) * n + 1 + HC_SLOTS - 1) // HC_SLOTS
-            launch("hyper", "hc_partials", (chunks, t, slots), (BLOCK,), (streams, fn, part, i32(n), i32(d)))
+            if is_prime(t):  # a prompt: the matvec as one float32 GEMM, one chunk (prime.py)
+                part = prime_hc_partials(streams, fn)
+            else:
+                part = cp.empty((t, (n * d + HC_CHUNK - 1) // HC_CHUNK, (2 + n) * n + 1), cp.float32)
+                slots = ((2 + n) * n + 1 + HC_SLOTS - 1) // HC_SLOTS
+                launch("hyper", "hc_partials", (part.shape[1], t, slots), (BLOCK,),
+                       (streams, fn, part, i32(n), i32(d)))
+            chunks = part.shape[1]
             launch("hyper", "hc_weights", (t,), (HC_MAX_N * HC_MAX_N,),
                    (part, base, scale, pre, post, comb, i32(n), i32(d), i32(chunks), f32(rms_eps),
                     f32(hc_eps), i32(iters)))

@@ -74,6 +74,7 @@ class KdaOps:
         out = cp.empty((t, hk, dv), cp.float32)
         snap, stride = _rows(rows, t, (hk, dk, dv), "kda_recurrence")
         if t:
-            launch("kda", "kda_recurrence", (hk, (dv + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK), (BLOCK,),
+            name = "kda_recurrence_s4" if dk <= 128 else "kda_recurrence"  # registers for 4 or all slots
+            launch("kda", name, (hk, (dv + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK), (BLOCK,),
                    (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv), snap, stride))
         return out

@@ -117,6 +117,15 @@ def prime_experts(x, idx, gate_w, up_w, down_w, y, limit: float) -> None:
     y[order] = ys
 
 
+def prime_hc_partials(streams, fn):
+    """hc_weights' partials [t, 1, outs + 1] as one chunk: each flattened row's dots with the
+    outs rows of fn (a float32 GEMM), then its sum of squares."""
+    flat = streams.reshape(streams.shape[0], -1)
+    dots = cp.matmul(flat, fn.T)
+    squares = cp.sum(cp.square(flat), axis=1, keepdims=True)
+    return cp.ascontiguousarray(cp.concatenate([dots, squares], axis=1)[:, None, :])
+
+
 def prime_attend(q_lat, latent, positions, scale: float):
     """Absorbed attention over each row's position list as dense float32 GEMMs: scores of every
     row against the latent rows up to its chunk's last listed position, a masked softmax (the

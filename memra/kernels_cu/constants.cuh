@@ -49,6 +49,9 @@
 #ifndef KDA_MAX_DK
 #define KDA_MAX_DK 256
 #endif
+#ifndef KDA_CONV_SPAN
+#define KDA_CONV_SPAN 64
+#endif
 #ifndef ATT_POS
 #define ATT_POS 32
 #endif

@@ -36,6 +36,7 @@ HC_SLOTS = 4                  # fn dots (or the sum of squares) per hc_partials 
 # kda.cu
 KDA_MAX_CONV = 16   # conv taps held in registers
 KDA_MAX_DK = 256    # key dim: each lane holds KDA_MAX_DK / 32 state entries
+KDA_CONV_SPAN = 64  # a prompt's short_conv rows per thread (short_conv_spans)
 
 # mla.cu
 ATT_POS = 32        # positions per mla_scores block (one per lane)
@@ -61,6 +62,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "HC_SLOTS": HC_SLOTS,
     "KDA_MAX_CONV": KDA_MAX_CONV,
     "KDA_MAX_DK": KDA_MAX_DK,
+    "KDA_CONV_SPAN": KDA_CONV_SPAN,
     "ATT_POS": ATT_POS,
     "MIX_HEADS": MIX_HEADS,
     "MIX_CHANNELS": MIX_CHANNELS,

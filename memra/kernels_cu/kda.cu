@@ -73,7 +73,7 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // columns (a warp writing its column alone would touch a 32-byte sector per float).
 // SLOTS: S entries each lane holds (ceil(dk / 32) rounded up to a kernel below); more slots
 // than dk needs only idle, so every instantiation does a given dk's arithmetic alike.
-template <int SLOTS>
+template <int SLOTS, bool DECAYED>
 static __device__ void kda_rows(const float* __restrict__ q, const float* __restrict__ k,
                                 const float* __restrict__ v, const float* __restrict__ g,
                                 const float* __restrict__ beta, float* __restrict__ state,
@@ -124,7 +124,7 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
             for (int m = 0; m < SLOTS; ++m) {
                 const int i = lane + 32 * m;
                 if (i < dk) {
-                    s[m] = s[m] * expf(gg[m]);
+                    s[m] = s[m] * (DECAYED ? gg[m] : expf(gg[m]));
                     ks += kk[m] * s[m];
                 }
             }
@@ -166,13 +166,50 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
     }
 }
 
-#define KDA_RECURRENCE(NAME, SLOTS)                                                                  \
+#define KDA_RECURRENCE(NAME, SLOTS, DECAYED)                                                         \
     extern "C" __global__ void NAME(const float* __restrict__ q, const float* __restrict__ k,         \
                                     const float* __restrict__ v, const float* __restrict__ g,         \
                                     const float* __restrict__ beta, float* __restrict__ state,        \
                                     float* __restrict__ out, int t, int hk, int dk, int dv,           \
                                     float* __restrict__ rows, long long row_stride) {                 \
-        kda_rows<SLOTS>(q, k, v, g, beta, state, out, t, hk, dk, dv, rows, row_stride);             \
+        kda_rows<SLOTS, DECAYED>(q, k, v, g, beta, state, out, t, hk, dk, dv, rows, row_stride);    \
     }
-KDA_RECURRENCE(kda_recurrence_s4, 4)             // dk <= 128 (every KDA checkpoint so far)
-KDA_RECURRENCE(kda_recurrence, KDA_MAX_DK / 32)  // up to KDA_MAX_DK
+KDA_RECURRENCE(kda_recurrence_s4, 4, false)             // dk <= 128 (every KDA checkpoint so far)
+KDA_RECURRENCE(kda_recurrence, KDA_MAX_DK / 32, false)  // up to KDA_MAX_DK
+// A prompt's rows (prime class) take g as exp(g), made once per element by kda_decay instead
+// of once per element and value column: the same expf, so the same bits.
+KDA_RECURRENCE(kda_recurrence_s4_decayed, 4, true)
+KDA_RECURRENCE(kda_recurrence_decayed, KDA_MAX_DK / 32, true)
+
+extern "C" __global__ void kda_decay(const float* __restrict__ g, float* __restrict__ out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        out[i] = expf(g[i]);
+}
+
+// short_conv for a prompt (prime class): the rows split into spans of KDA_CONV_SPAN, a thread
+// per (channel, span), each output's taps in the same order as short_conv (so the same bits).
+// The ring is only read: the wrapper copies the last K-1 rows of x into it afterwards.
+extern "C" __global__ void short_conv_spans(const float* __restrict__ x, const float* __restrict__ ring,
+                                            const float* __restrict__ w, float* __restrict__ out,
+                                            int t, int c, int k) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    const int r0 = blockIdx.y * KDA_CONV_SPAN, r1 = min(r0 + KDA_CONV_SPAN, t);
+    if (ch >= c) return;
+    float hist[KDA_MAX_CONV];
+    for (int j = 0; j < k - 1; ++j) {  // the K-1 inputs before row r0: rows of x, or the ring's
+        const int src = r0 - (k - 1) + j;
+        hist[j] = src >= 0 ? x[(long long)src * c + ch] : ring[(long long)(src + k - 1) * c + ch];
+    }
+    const float* wc = w + (long long)ch * k;
+    for (int r = r0; r < r1; ++r) {
+        const float xr = x[(long long)r * c + ch];
+        float acc = wc[0] * (k > 1 ? hist[0] : xr);
+        for (int j = 1; j < k; ++j) acc = acc + wc[j] * (j < k - 1 ? hist[j] : xr);
+        out[(long long)r * c + ch] = acc * sigmoidf_stable(acc);
+        if (k > 1) {
+            for (int j = 0; j < k - 2; ++j) hist[j] = hist[j + 1];
+            hist[k - 2] = xr;
+        }
+    }
+}

@@ -127,21 +127,46 @@ def test_strided_read_only_inputs_are_accepted():
     assert cp.array_equal(a, b)
 
 
-@pytest.mark.parametrize("dk, dv", [(128, 128), (40, 24)])
-def test_the_four_slot_kernel_is_the_wide_kernel_bit_for_bit(dk, dv):
-    """dk <= 128 takes kda_recurrence_s4 (fewer registers); the kernel for KDA_MAX_DK does the same
-    arithmetic with idle slots, so outputs and state agree as bytes, over a prompt's 40 rows too."""
+def _launch_recurrence(name, rows, state, dv):
+    """One raw launch of a kda_recurrence kernel (no snapshots) -> (out, state after)."""
     from memra.backend.cuda.runtime import BLOCK, i32, launch
     from memra.kernels_cu.constants import WARPS_PER_BLOCK
 
+    (t, hk, dk), state = rows["q"].shape, cp.asarray(state)
+    out = cp.empty((t, hk, dv), cp.float32)
+    launch("kda", name, (hk, (dv + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK), (BLOCK,),
+           (*(cp.asarray(rows[n]) for n in ("q", "k", "v", "g", "beta")), state, out,
+            i32(t), i32(hk), i32(dk), i32(dv), np.uint64(0), np.int64(0)))
+    return cp.asnumpy(out), cp.asnumpy(state)
+
+
+@pytest.mark.parametrize("dk, dv", [(128, 128), (40, 24)])
+def test_every_recurrence_kernel_does_the_same_arithmetic(dk, dv):
+    """dk <= 128 takes kda_recurrence_s4 (fewer registers) and a prompt's rows the _decayed
+    kernel (exp(g) made once per element by kda_decay): the kernel for KDA_MAX_DK with idle slots
+    and exp(g) inline gives the same bytes, outputs and state, over a prompt's 40 rows."""
     rows, shared = _kda_recurrence(2, dk, dv)[0](np.random.default_rng(dk), 40)
-    args = [cp.asarray(rows[n]) for n in ("q", "k", "v", "g", "beta")]
-    results = []
-    for name in ("kda_recurrence_s4", "kda_recurrence"):
-        state, out = cp.asarray(shared["state"]), cp.empty((40, 2, dv), cp.float32)
-        launch("kda", name, (2, (dv + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK), (BLOCK,),
-               (*args, state, out, i32(40), i32(2), i32(dk), i32(dv), np.uint64(0), np.int64(0)))
-        results.append((cp.asnumpy(out), cp.asnumpy(state)))
-    assert results[0][0].tobytes() == results[1][0].tobytes()
-    assert results[0][1].tobytes() == results[1][1].tobytes()
-    assert not np.array_equal(results[0][1], shared["state"])  # the state moved
+    want = _launch_recurrence("kda_recurrence", rows, shared["state"], dv)
+    assert not np.array_equal(want[1], shared["state"])  # the state moved
+    state = cp.asarray(shared["state"])
+    got = KdaOps().kda_recurrence(*(cp.asarray(rows[n]) for n in ("q", "k", "v", "g", "beta")), state)
+    assert cp.asnumpy(got).tobytes() == want[0].tobytes()
+    assert cp.asnumpy(state).tobytes() == want[1].tobytes()
+    four = _launch_recurrence("kda_recurrence_s4", rows, shared["state"], dv)
+    assert four[0].tobytes() == want[0].tobytes() and four[1].tobytes() == want[1].tobytes()
+
+
+def test_a_prompts_short_conv_spans_do_the_row_walks_arithmetic():
+    """short_conv over a prompt's rows runs spans of rows in parallel (the ring only read, then
+    refilled from the last rows): outputs and ring as bytes equal the one-thread-per-channel walk."""
+    from memra.backend.cuda.runtime import BLOCK, i32, launch
+
+    rows, shared = _short_conv(101, 4)[0](np.random.default_rng(3), 150)
+    x, w = cp.asarray(rows["x"]), cp.asarray(shared["w"])
+    ring = cp.asarray(shared["ring"])
+    got = KdaOps().short_conv(x, ring, w)
+    walk_ring, want = cp.asarray(shared["ring"]), cp.empty_like(x)
+    launch("kda", "short_conv", ((101 + BLOCK - 1) // BLOCK,), (BLOCK,),
+           (x, walk_ring, w, want, i32(150), i32(101), i32(4), np.uint64(0), np.int64(0)))
+    assert cp.asnumpy(got).tobytes() == cp.asnumpy(want).tobytes()
+    assert cp.asnumpy(ring).tobytes() == cp.asnumpy(walk_ring).tobytes()

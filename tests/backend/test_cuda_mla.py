@@ -99,6 +99,7 @@ CASES = [
     case("kpool_select_small_dense_to_sparse", *_select(4, 16, 0)),
     case("kpool_select_small_dense_to_sparse_from_3", *_select(4, 16, 3)),
     case("kpool_select_small_sparse", *_select(4, 16, 49)),
+    case("kpool_select_prime", *_select(4, 16, 3), gates=frozenset({NUMPY}), ts=(40,)),  # GEMM scores
     case("mla_attend_mini", *_mla(2, 16, 49)),
     case("mla_attend_small", *_mla(4, 32, 49)),
     case("mla_attend_small_from_3", *_mla(4, 32, 3)),

@@ -13,8 +13,9 @@ import numpy as np
 
 import cupy as cp
 
-from memra.backend.cuda.runtime import BLOCK, check, device_input, f32, grid_1d, i32, launch
-from memra.kernels_cu.constants import KDA_MAX_CONV, KDA_MAX_DK, WARPS_PER_BLOCK
+from memra.backend.cuda.prime import is_prime
+from memra.backend.cuda.runtime import BLOCK, MAX_GRID, blocks_of, check, device_input, f32, grid_1d, i32, launch
+from memra.kernels_cu.constants import KDA_CONV_SPAN, KDA_MAX_CONV, KDA_MAX_DK, WARPS_PER_BLOCK
 
 
 def _rows(rows, t: int, shape: tuple, what: str):
@@ -41,7 +42,11 @@ class KdaOps:
         assert ring.shape == (k - 1, c), f"short_conv: ring {ring.shape}, expected {(k - 1, c)}"
         out = cp.empty((t, c), cp.float32)
         snap, stride = _rows(rows, t, (k - 1, c), "short_conv")
-        if t:
+        if is_prime(t) and rows is None:  # a prompt: spans of rows in parallel, the same bits
+            launch("kda", "short_conv_spans", (blocks_of(c), blocks_of(t, KDA_CONV_SPAN)), (BLOCK,),
+                   (x, ring, w, out, i32(t), i32(c), i32(k)))
+            ring[...] = x[t - (k - 1):]  # t > VERIFY_CAP >= K - 1 rows
+        elif t:
             launch("kda", "short_conv", grid_1d(c), (BLOCK,), (x, ring, w, out, i32(t), i32(c), i32(k), snap, stride))
         return out
 
@@ -75,6 +80,10 @@ class KdaOps:
         snap, stride = _rows(rows, t, (hk, dk, dv), "kda_recurrence")
         if t:
             name = "kda_recurrence_s4" if dk <= 128 else "kda_recurrence"  # registers for 4 or all slots
+            if is_prime(t):  # a prompt: exp(g) made once per element (the same expf, the same bits)
+                decay = cp.empty_like(g)
+                launch("kda", "kda_decay", (min(blocks_of(g.size), MAX_GRID),), (BLOCK,), (g, decay, np.int64(g.size)))
+                g, name = decay, name + "_decayed"
             launch("kda", name, (hk, (dv + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK), (BLOCK,),
                    (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv), snap, stride))
         return out

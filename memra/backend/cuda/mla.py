@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import cupy as cp
 
-from memra.backend.cuda.prime import is_prime, prime_attend
+from memra.backend.cuda.prime import is_prime, prime_attend, prime_pool_scores
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, position
 from memra.kernels_cu.constants import ATT_POS, MIX_CHANNELS, MIX_HEADS
 
@@ -65,10 +65,13 @@ class MlaOps:
         if t == 0:
             return out
         at = position(pos0)
-        scores = cp.empty((t, max(nmax, 1)), cp.float32)
-        launch("mla", "kpool_scores", (blocks_of(max(nmax, 1)), t), (BLOCK,),
-               (q, w, pool_keys, scores, at, i32(pool), i32(budget), i32(hi), i32(di),
-                i32(max(nmax, 1)), f32(scale)))
+        if is_prime(t) and nmax:  # a prompt: float32 GEMMs (prime.py)
+            scores = prime_pool_scores(q, w, pool_keys, scale)
+        else:
+            scores = cp.empty((t, max(nmax, 1)), cp.float32)
+            launch("mla", "kpool_scores", (blocks_of(max(nmax, 1)), t), (BLOCK,),
+                   (q, w, pool_keys, scores, at, i32(pool), i32(budget), i32(hi), i32(di),
+                    i32(max(nmax, 1)), f32(scale)))
         launch("mla", "kpool_select", (t,), (BLOCK,),
                (scores, out, at, i32(pool), i32(budget), i32(width), i32(max(nmax, 1))),
                shared_mem=4 * budget)

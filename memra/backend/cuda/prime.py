@@ -30,6 +30,7 @@ COMPUTE_32F, GEMM_DEFAULT = 68, -1       # cublasComputeType_t, cublasGemmAlgo_t
 POINTER_HOST = 0                         # cublasPointerMode_t: alpha and beta live on the host
 PIECES = 3                               # hi, mid, lo
 ATTEND_BYTES = 1 << 29                   # float32 scores one attention chunk may hold
+HC_SPLITS = 16                           # slices of the mHC matvec's flattened axis
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
 
 
@@ -119,11 +120,31 @@ def prime_experts(x, idx, gate_w, up_w, down_w, y, limit: float) -> None:
 
 def prime_hc_partials(streams, fn):
     """hc_weights' partials [t, 1, outs + 1] as one chunk: each flattened row's dots with the
-    outs rows of fn (a float32 GEMM), then its sum of squares."""
-    flat = streams.reshape(streams.shape[0], -1)
-    dots = cp.matmul(flat, fn.T)
+    outs rows of fn, then its sum of squares. The dots run as HC_SPLITS slices of the flattened
+    axis, batched, then summed: one GEMM of few outputs and a long axis fills few blocks."""
+    t, outs = streams.shape[0], fn.shape[0]
+    flat = streams.reshape(t, -1)
+    splits = HC_SPLITS if flat.shape[1] % HC_SPLITS == 0 else 1
+    a = flat.reshape(t, splits, -1).transpose(1, 0, 2)     # [S, t, nD / S]
+    b = fn.reshape(outs, splits, -1).transpose(1, 2, 0)    # [S, nD / S, outs]
+    dots = cp.matmul(a, b).sum(axis=0)
     squares = cp.sum(cp.square(flat), axis=1, keepdims=True)
     return cp.ascontiguousarray(cp.concatenate([dots, squares], axis=1)[:, None, :])
+
+
+def prime_pool_scores(q, w, pool_keys, scale: float):
+    """kpool_scores for a prompt [t, nmax]: sum_h w[r, h] relu(scale q[r, h] . pk_j) for every
+    pool slot of the plane (kpool_select reads only a row's complete pools), in row chunks."""
+    t, hi, di = q.shape
+    nmax = pool_keys.shape[0]
+    out = cp.empty((t, nmax), cp.float32)
+    chunk = max(1, ATTEND_BYTES // (4 * hi * nmax))
+    for r0 in range(0, t, chunk):
+        n = min(chunk, t - r0)
+        dots = cp.matmul(q[r0:r0 + n].reshape(n * hi, di), pool_keys.T).reshape(n, hi, nmax)
+        relu = cp.maximum(dots * cp.float32(scale), cp.float32(0))
+        out[r0:r0 + n] = cp.matmul(w[r0:r0 + n, None, :], relu)[:, 0, :]
+    return out
 
 
 def prime_attend(q_lat, latent, positions, scale: float):

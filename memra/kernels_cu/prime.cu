@@ -2,41 +2,69 @@
 // a prompt longer than the exact class's row cap needs accuracy, not row invariance).
 //
 //   bf16_pieces:    rows of x split into three bf16 pieces, x = hi + mid + lo exactly (the split
-//                   exact_mma.cuh makes), so three bf16 GEMMs against bf16 weights add up to
-//                   float32 products; `rows` gathers (a routed expert's slots), null takes row i.
-//   swiglu_pieces:  the pieces of swiglu(gate, up) (a routed expert's down-projection input).
+//                   exact_mma.cuh makes), so bf16 GEMMs against bf16 weights give float32-exact
+//                   products; `rows` gathers (the routed experts' slots), null takes row i.
+//   swiglu_pieces:  the routed experts' hidden rows, as pieces, from their gate and up rows.
+//   expert_combine: the routed experts' output rows summed back per prompt row (moe_combine).
 //   selection_mask: keep[i, c] = 1 where row i's position list names position c (c < ctx).
 //   masked_softmax: s[i, h, :ctx] = softmax over the kept columns of scale * s (others 0).
 #include "common.cuh"
 
-// The three bf16 pieces of a, each the truncation of what the previous ones left (exact_mma.cuh).
-static __device__ __forceinline__ void put_pieces(float a, unsigned short* out, long long e, long long n) {
+// The three bf16 pieces of a into p[0], p[d], p[2d] (a row's pieces sit side by side: [m, 3, d]),
+// each the truncation of what the previous ones left (exact_mma.cuh's split).
+static __device__ __forceinline__ void put_pieces(float a, unsigned short* p, int d) {
     const unsigned hi = __float_as_uint(a) & 0xffff0000u;
     const float rest = a - __uint_as_float(hi);
     const unsigned mid = __float_as_uint(rest) & 0xffff0000u;
-    out[e] = (unsigned short)(hi >> 16);
-    out[n + e] = (unsigned short)(mid >> 16);
-    out[2 * n + e] = (unsigned short)(__float_as_uint(rest - __uint_as_float(mid)) >> 16);
+    p[0] = (unsigned short)(hi >> 16);
+    p[d] = (unsigned short)(mid >> 16);
+    p[2 * d] = (unsigned short)(__float_as_uint(rest - __uint_as_float(mid)) >> 16);
 }
 
+// A float32 value from its three pieces' GEMM rows p[0] (hi), p[d] (mid), p[2d] (lo): the
+// small ones first.
+static __device__ __forceinline__ float sum_pieces(const float* p, int d) {
+    return (p[2 * d] + p[d]) + p[0];
+}
+
+// out [m, 3, d] = the pieces of x[rows[i]] (rows null: x[i]).
 extern "C" __global__ void bf16_pieces(const float* x, const long long* rows, unsigned short* out,
                                        long long m, int d) {
-    const long long n = m * d;
-    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n;
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < m * d;
          e += (long long)gridDim.x * blockDim.x) {
         const long long i = e / d, src = rows != nullptr ? rows[i] : i;
-        put_pieces(x[src * d + e % d], out, e, n);
+        const int c = (int)(e % d);
+        put_pieces(x[src * d + c], out + i * 3 * d + c, d);
     }
 }
 
-// dense.cu's swiglu_kernel, written as pieces: silu(min(gate, limit)) * clip(up, -limit, limit).
+// The routed experts' hidden rows: gate, up [m, 3, I] are GEMM rows of the input's pieces;
+// out [m, 3, I] = the pieces of silu(min(gate, limit)) * clip(up, -limit, limit) (dense.cu's
+// swiglu_kernel) of their sums.
 extern "C" __global__ void swiglu_pieces(const float* gate, const float* up, unsigned short* out,
-                                         long long n, float limit) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        const float g = gate[i] > limit ? limit : gate[i];
-        const float u = up[i] > limit ? limit : (up[i] < -limit ? -limit : up[i]);
-        put_pieces(siluf_exact(g) * u, out, i, n);
+                                         long long m, int d, float limit) {
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < m * d;
+         e += (long long)gridDim.x * blockDim.x) {
+        const long long at = (e / d) * 3 * d + e % d;
+        const float gs = sum_pieces(gate + at, d), us = sum_pieces(up + at, d);
+        const float g = gs > limit ? limit : gs;
+        const float u = us > limit ? limit : (us < -limit ? -limit : us);
+        put_pieces(siluf_exact(g) * u, out + at, d);
+    }
+}
+
+// out [t, D]: row r's expert outputs weighted in slot order (moe.cu's moe_combine), slot
+// s = r * k + j read from down [M, 3, D] (GEMM rows of the hidden pieces) at its sorted row at[s].
+extern "C" __global__ void expert_combine(const float* down, const long long* at, const float* wts,
+                                          float* out, int t, int k, int D) {
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < (long long)t * D;
+         e += (long long)gridDim.x * blockDim.x) {
+        const long long r = e / D;
+        const int c = (int)(e % D);
+        float acc = 0.0f;
+        for (int j = 0; j < k; ++j)
+            acc = acc + sum_pieces(down + at[r * k + j] * 3 * D + c, D) * wts[r * k + j];
+        out[e] = acc;
     }
 }
 

@@ -77,12 +77,12 @@ class MoeOps:
         if t * k * d == 0:
             out.fill(0)
             return out
+        if is_prime(t) and kind == "bf16":  # a prompt: cuBLAS GEMMs per routed expert (prime.py)
+            return prime_experts(x, idx, wts, gate_w, up_w, down_w, limit)
         # zeroed so a slot whose expert id matches no block adds 0 rather than garbage
+        h = cp.zeros((t, k, inter), cp.float32)
         y = cp.zeros((t, k, d), cp.float32)
-        h = None if is_prime(t) and kind == "bf16" else cp.zeros((t, k, inter), cp.float32)
-        if h is None:  # a prompt: cuBLAS GEMMs per routed expert (prime.py)
-            prime_experts(x, idx, gate_w, up_w, down_w, y.reshape(t * k, d), limit)
-        elif kind == "fp8":  # the bf16 tiles below, one byte per weight and a scale per 128-block
+        if kind == "fp8":  # the bf16 tiles below, one byte per weight and a scale per 128-block
             self._experts_fp8(x, idx, gate_w, up_w, down_w, h, y, limit)
         elif kind == "bf16":  # tensor-core tiles of gate|up units and of outputs; 8 or 16 rows a pass
             # blocks only for the experts the rows route to: their ascending list, made on the device

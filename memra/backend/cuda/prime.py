@@ -31,6 +31,7 @@ POINTER_HOST = 0                         # cublasPointerMode_t: alpha and beta l
 PIECES = 3                               # hi, mid, lo
 ATTEND_BYTES = 1 << 29                   # float32 scores one attention chunk may hold
 HC_SPLITS = 16                           # slices of the mHC matvec's flattened axis
+MOE_ROWS = 4096                          # prompt rows per routed-experts pass
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
 
 
@@ -40,41 +41,49 @@ def is_prime(t: int) -> bool:
 
 
 def pieces(x, rows=None):
-    """[PIECES, m, d] bf16 bits of x [t, d] float32 (or of x[rows], rows int64 [m])."""
+    """[m, PIECES, d] bf16 bits of x [t, d] float32 (or of x[rows], rows int64 [m]): row i's
+    hi, mid and lo side by side, so a GEMM can take one piece (row stride 3d) or all three."""
     check(x, cp.float32, "x")
     if rows is not None:
         check(rows, cp.int64, "rows")
     m, d = (x.shape[0] if rows is None else rows.size), x.shape[1]
-    out = cp.empty((PIECES, m, d), cp.uint16)
+    out = cp.empty((m, PIECES, d), cp.uint16)
     if m * d:
         launch("prime", "bf16_pieces", (min(blocks_of(m * d), MAX_GRID),), (BLOCK,),
                (x, rows if rows is not None else np.uint64(0), out, np.int64(m), i32(d)))
     return out
 
 
-def gemm_pieces(xp, start: int, m: int, w, out) -> None:
-    """out [m, n_out] = sum over the pieces of xp[p, start:start + m] @ w.T, accumulated in float32
-    from the smallest piece up; w [n_out, n_in] bf16 bits (a contiguous matrix or expert slice)."""
-    check(w, cp.uint16, "w")
-    check(out, cp.float32, "out")
-    n_out, n_in = w.shape
-    assert xp.shape[2] == n_in and out.shape == (m, n_out), (xp.shape, w.shape, out.shape)
-    if not (m and n_out):
-        return
-    if not n_in:
-        out.fill(0)
-        return
+def _handle() -> int:
+    """cupy's cuBLAS handle on the current stream, alpha and beta read from the host."""
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     cublas.setPointerMode(handle, POINTER_HOST)
-    rows = xp.shape[1]
+    return handle
+
+
+def _gemm(handle: int, b: int, ldb: int, m: int, w, c: int, accumulate: bool = False) -> None:
+    """C [m, n_out] (+)= B [m, n_in] @ w.T: B bf16 bits at address b with row stride ldb, w [n_out,
+    n_in] bf16 bits, C float32 at address c (row-major; column-major, that is C^T = w B^T)."""
+    n_out, n_in = w.shape
+    cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, m, n_in,
+                  _ONE.ctypes.data, w.data.ptr, R_16BF, n_in, b, R_16BF, ldb,
+                  (_ONE if accumulate else _ZERO).ctypes.data, c, R_32F, n_out, COMPUTE_32F, GEMM_DEFAULT)
+
+
+def gemm_pieces(xp, w):
+    """[t, n_out] = the sum over the pieces of xp [t, 3, n_in] of piece @ w.T, accumulated in
+    float32 from the smallest piece up; w [n_out, n_in] bf16 bits."""
+    check(w, cp.uint16, "w")
+    (t, _, n_in), n_out = xp.shape, w.shape[0]
+    assert w.shape[1] == n_in, f"w {w.shape} for pieces {xp.shape}"
+    if not (t and n_out and n_in):
+        return cp.zeros((t, n_out), cp.float32)
+    out = cp.empty((t, n_out), cp.float32)
+    handle = _handle()
     for i, piece in enumerate(reversed(range(PIECES))):
-        # column-major view: out^T [n_out, m] = (w as [n_in, n_out])^T @ (piece as [n_in, m])
-        b = xp.data.ptr + 2 * (piece * rows + start) * n_in
-        beta = _ZERO if i == 0 else _ONE
-        cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, m, n_in,
-                      _ONE.ctypes.data, w.data.ptr, R_16BF, n_in, b, R_16BF, n_in,
-                      beta.ctypes.data, out.data.ptr, R_32F, n_out, COMPUTE_32F, GEMM_DEFAULT)
+        _gemm(handle, xp.data.ptr + 2 * piece * n_in, PIECES * n_in, t, w, out.data.ptr, accumulate=i > 0)
+    return out
 
 
 def prime_linear(x, w):
@@ -82,40 +91,51 @@ def prime_linear(x, w):
     check(x, cp.float32, "x")
     if w.dtype == cp.float32:
         return cp.ascontiguousarray(cp.matmul(x, w.T))
-    out = cp.empty((x.shape[0], w.shape[0]), cp.float32)
-    gemm_pieces(pieces(x), 0, x.shape[0], w, out)
+    return gemm_pieces(pieces(x), w)
+
+
+def prime_experts(x, idx, wts, gate_w, up_w, down_w, limit: float):
+    """The routed experts of a prompt's rows -> [t, D], MOE_ROWS rows at a time (the hidden rows
+    of t * k slots in three pieces: about 1.2 KB per slot and hidden unit)."""
+    out = cp.empty_like(x)
+    for r0 in range(0, x.shape[0], MOE_ROWS):
+        rows = slice(r0, r0 + MOE_ROWS)
+        out[rows] = _experts(x[rows], idx[rows], wts[rows], gate_w, up_w, down_w, limit)
     return out
 
 
-def swiglu_pieces(gate, up, limit: float):
-    """The bf16 pieces of swiglu(gate, up) [m, I]: the routed experts' down-projection input."""
-    check(gate, cp.float32, "gate")
-    check(up, cp.float32, "up")
-    out = cp.empty((PIECES, *gate.shape), cp.uint16)
-    if gate.size:
-        launch("prime", "swiglu_pieces", (min(blocks_of(gate.size), MAX_GRID),), (BLOCK,),
-               (gate, up, out, np.int64(gate.size), f32(limit)))
-    return out
-
-
-def prime_experts(x, idx, gate_w, up_w, down_w, y, limit: float) -> None:
-    """Each (row, slot)'s expert output into y [t * k, D]: the slots sorted by expert, then per
-    routed expert three GEMMs over its gathered rows (the host reads the counts once)."""
-    t, k = idx.shape
-    order = cp.argsort(idx.reshape(-1))
-    counts = cp.asnumpy(cp.bincount(idx.reshape(-1), minlength=gate_w.shape[0]))
-    xp = pieces(x, order // k)
-    inter = gate_w.shape[1]
-    ys = cp.empty_like(y)
-    start = 0
-    for e, m in enumerate(counts.tolist()):
+def _experts(x, idx, wts, gate_w, up_w, down_w, limit: float):
+    """The (row, slot) pairs sorted by expert; each expert's rows as 3m piece rows, one GEMM per
+    weight; the hidden rows and the weighted sum per row one kernel each. The host reads the
+    counts once."""
+    (t, k), (e, inter, d) = idx.shape, gate_w.shape
+    flat = idx.reshape(-1)
+    order = cp.argsort(flat)
+    at = cp.empty_like(order)
+    at[order] = cp.arange(order.size, dtype=order.dtype)  # slot -> its sorted row
+    counts = cp.asnumpy(cp.bincount(flat, minlength=e)).tolist()
+    starts = np.cumsum([0] + counts[:-1]).tolist()
+    xp, slots = pieces(x, order // k), order.size
+    gate = cp.empty((slots, PIECES, inter), cp.float32)
+    up = cp.empty((slots, PIECES, inter), cp.float32)
+    handle = _handle()
+    for ex, (start, m) in enumerate(zip(starts, counts)):
         if m:
-            gate, up = cp.empty((m, inter), cp.float32), cp.empty((m, inter), cp.float32)
-            gemm_pieces(xp, start, m, gate_w[e], gate)
-            gemm_pieces(xp, start, m, up_w[e], up)
-            gemm_pieces(swiglu_pieces(gate, up, limit), 0, m, down_w[e], ys[start:start + m])
-        start += m
-    y[order] = ys
+            src = xp.data.ptr + 2 * PIECES * start * d
+            _gemm(handle, src, d, PIECES * m, gate_w[ex], gate.data.ptr + 4 * PIECES * start * inter)
+            _gemm(handle, src, d, PIECES * m, up_w[ex], up.data.ptr + 4 * PIECES * start * inter)
+    hidden = cp.empty((slots, PIECES, inter), cp.uint16)
+    launch("prime", "swiglu_pieces", (min(blocks_of(slots * inter), MAX_GRID),), (BLOCK,),
+           (gate, up, hidden, np.int64(slots), i32(inter), f32(limit)))
+    down = cp.empty((slots, PIECES, d), cp.float32)
+    for ex, (start, m) in enumerate(zip(starts, counts)):
+        if m:
+            _gemm(handle, hidden.data.ptr + 2 * PIECES * start * inter, inter, PIECES * m, down_w[ex],
+                  down.data.ptr + 4 * PIECES * start * d)
+    out = cp.empty((t, d), cp.float32)
+    launch("prime", "expert_combine", (min(blocks_of(t * d), MAX_GRID),), (BLOCK,),
+           (down, at, wts, out, i32(t), i32(k), i32(d)))
+    return out
 
 
 def prime_hc_partials(streams, fn):
@@ -154,11 +174,11 @@ def prime_attend(q_lat, latent, positions, scale: float):
     t, h, rank = q_lat.shape
     width = positions.shape[1]
     out = cp.empty((t, h, rank), cp.float32)
-    ctx_all = max(int(positions.max()) + 1, 1)
-    chunk = max(1, ATTEND_BYTES // (4 * h * ctx_all))
+    ends = cp.asnumpy(positions.max(axis=1)) + 1  # the host's one wait: each row's last position
+    chunk = max(1, ATTEND_BYTES // (4 * h * max(int(ends.max()), 1)))
     for r0 in range(0, t, chunk):
         pos = positions[r0:r0 + chunk]
-        n, ctx = pos.shape[0], max(int(pos.max()) + 1, 1)
+        n, ctx = pos.shape[0], max(int(ends[r0:r0 + chunk].max()), 1)
         keep = cp.zeros((n, ctx), cp.uint8)
         launch("prime", "selection_mask", (min(blocks_of(n * width), MAX_GRID),), (BLOCK,),
                (pos, keep, i32(n), i32(width), i32(ctx)))

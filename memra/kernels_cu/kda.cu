@@ -16,6 +16,18 @@ static __device__ __forceinline__ float kda_warp_sum(float v) {
     return __shfl_sync(0xffffffffu, v, 0);
 }
 
+// One row of a channel's conv: the K taps in order (tap K-1 meets xr), SiLU; hist (the K-1
+// inputs before, oldest first) moves on by one.
+static __device__ __forceinline__ float conv_row(const float* wc, float* hist, float xr, int k) {
+    float acc = wc[0] * (k > 1 ? hist[0] : xr);
+    for (int j = 1; j < k; ++j) acc = acc + wc[j] * (j < k - 1 ? hist[j] : xr);
+    if (k > 1) {
+        for (int j = 0; j < k - 2; ++j) hist[j] = hist[j + 1];
+        hist[k - 2] = xr;
+    }
+    return acc * sigmoidf_stable(acc);
+}
+
 // x [t, C]; ring [K-1, C] (oldest first, advanced in place); w [C, K], tap K-1 meets the
 // current row; out [t, C] = SiLU(conv). One thread per channel walks the rows in order.
 // rows (may be null): the ring after row r < t - 1 is written at rows + r * row_stride, so a
@@ -30,14 +42,7 @@ extern "C" __global__ void short_conv(const float* __restrict__ x, float* __rest
     for (int j = 0; j < k - 1; ++j) hist[j] = ring[(long long)j * c + ch];
     const float* wc = w + (long long)ch * k;
     for (int r = 0; r < t; ++r) {
-        const float xr = x[(long long)r * c + ch];
-        float acc = wc[0] * (k > 1 ? hist[0] : xr);
-        for (int j = 1; j < k; ++j) acc = acc + wc[j] * (j < k - 1 ? hist[j] : xr);
-        out[(long long)r * c + ch] = acc * sigmoidf_stable(acc);
-        if (k > 1) {
-            for (int j = 0; j < k - 2; ++j) hist[j] = hist[j + 1];
-            hist[k - 2] = xr;
-        }
+        out[(long long)r * c + ch] = conv_row(wc, hist, x[(long long)r * c + ch], k);
         if (rows != nullptr && r < t - 1)
             for (int j = 0; j < k - 1; ++j) rows[r * row_stride + (long long)j * c + ch] = hist[j];
     }
@@ -203,13 +208,6 @@ extern "C" __global__ void short_conv_spans(const float* __restrict__ x, const f
     }
     const float* wc = w + (long long)ch * k;
     for (int r = r0; r < r1; ++r) {
-        const float xr = x[(long long)r * c + ch];
-        float acc = wc[0] * (k > 1 ? hist[0] : xr);
-        for (int j = 1; j < k; ++j) acc = acc + wc[j] * (j < k - 1 ? hist[j] : xr);
-        out[(long long)r * c + ch] = acc * sigmoidf_stable(acc);
-        if (k > 1) {
-            for (int j = 0; j < k - 2; ++j) hist[j] = hist[j + 1];
-            hist[k - 2] = xr;
-        }
+        out[(long long)r * c + ch] = conv_row(wc, hist, x[(long long)r * c + ch], k);
     }
 }

@@ -117,14 +117,35 @@ static __device__ __forceinline__ bool beats(float b, int ib, float a, int ia) {
     return b > a || (b == a && ib < ia);
 }
 
-extern "C" __global__ void argmax_rows(const float* x, long long* out, int n) {
-    __shared__ float vals[MEMRA_BLOCK];
-    __shared__ int idxs[MEMRA_BLOCK];
+// A row's argmax in two launches, so a vocab-long row spreads over blocks: argmax_parts takes
+// grid (rows, parts), block y folding elements [y * span, (y + 1) * span) of its row into
+// (vals, idxs) [rows, parts]; argmax_rows (grid rows) picks the best part. beats is a total
+// order, so the split never changes the answer.
+extern "C" __global__ void argmax_parts(const float* x, float* vals, int* idxs, int n, int span) {
+    __shared__ float sv[MEMRA_BLOCK];
+    __shared__ int si[MEMRA_BLOCK];
     const float* xr = row_in(x, n);
+    const int end = min(n, (blockIdx.y + 1) * span);
     float best = __int_as_float(0xff800000);  // -inf
     int at = 0x7fffffff;  // sentinel: loses every tie against a real index
-    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK)
+    for (int k = blockIdx.y * span + threadIdx.x; k < end; k += MEMRA_BLOCK)
         if (beats(xr[k], k, best, at)) { best = xr[k]; at = k; }
-    block_best(best, at, vals, idxs, beats);
+    block_best(best, at, sv, si, beats);
+    if (threadIdx.x == 0) {
+        vals[blockIdx.x * gridDim.y + blockIdx.y] = best;
+        idxs[blockIdx.x * gridDim.y + blockIdx.y] = at;
+    }
+}
+
+extern "C" __global__ void argmax_rows(const float* vals, const int* idxs, long long* out, int parts) {
+    __shared__ float sv[MEMRA_BLOCK];
+    __shared__ int si[MEMRA_BLOCK];
+    float best = __int_as_float(0xff800000);
+    int at = 0x7fffffff;
+    for (int k = threadIdx.x; k < parts; k += MEMRA_BLOCK) {
+        const long long e = (long long)blockIdx.x * parts + k;
+        if (beats(vals[e], idxs[e], best, at)) { best = vals[e]; at = idxs[e]; }
+    }
+    block_best(best, at, sv, si, beats);
     if (threadIdx.x == 0) out[blockIdx.x] = at;
 }

@@ -17,7 +17,7 @@ from tests.gpu import cupy_or_skip
 pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
-from memra.backend.cuda.norm import NormOps  # noqa: E402
+from memra.backend.cuda.norm import ARGMAX_SPAN, NormOps  # noqa: E402
 from tests.backend.harness import OpGates, RedArm, split_dot, table  # noqa: E402
 from tests.backend.inputs import make_norm, make_rows, normal  # noqa: E402
 
@@ -43,9 +43,10 @@ def _make_gated(shape):
     return make
 
 
-def _make_argmax_ties(rng, t):
-    # small integers: many exact ties, which argmax must break to the lowest index in every row
-    return {"x": rng.integers(0, 5, (t, 300)).astype(F32)}, {}
+def _make_argmax_ties(n):
+    def make(rng, t):  # small integers: many exact ties, broken to the lowest index in every row
+        return {"x": rng.integers(0, 5, (t, n)).astype(F32)}, {}
+    return make
 
 
 def _rmsnorm(eps):
@@ -76,7 +77,10 @@ CASES = [
     case("log_softmax", make_rows(x=(256, 3.0)), lambda be, r, s: be.log_softmax(r["x"])),
     case("softmax_odd", make_rows(x=(3, 67, 3.0)), lambda be, r, s: be.softmax(r["x"])),
     case("argmax", make_rows(x=(1001, 1.0)), lambda be, r, s: be.argmax(r["x"])),
-    case("argmax_ties", _make_argmax_ties, lambda be, r, s: be.argmax(r["x"])),
+    case("argmax_ties", _make_argmax_ties(300), lambda be, r, s: be.argmax(r["x"])),
+    # past one argmax_parts block (ARGMAX_SPAN): the best of several parts, ties across parts
+    case("argmax_parts", make_rows(x=(3 * ARGMAX_SPAN + 7, 1.0)), lambda be, r, s: be.argmax(r["x"])),
+    case("argmax_parts_ties", _make_argmax_ties(2 * ARGMAX_SPAN + 1), lambda be, r, s: be.argmax(r["x"])),
 ]
 
 
@@ -95,6 +99,14 @@ class TestNormOps(OpGates):
     ops, tol, cases = NormOps, TOL, CASES
     red_arms = (RedArm("rmsnorm_sum_split_count_tied_to_t", CASES[0], _SumOfSquaresSplitByRowCount),)
     ulp_cases = ("rmsnorm", "softmax")
+
+
+@pytest.mark.parametrize("where", [(ARGMAX_SPAN, 2 * ARGMAX_SPAN + 5), (2 * ARGMAX_SPAN - 1, ARGMAX_SPAN)])
+def test_argmax_across_parts_takes_the_lowest_tied_index_and_the_first_nan(where):
+    x = np.zeros((2, 3 * ARGMAX_SPAN), F32)
+    x[0, list(where)] = 1.0
+    x[1, list(where)] = np.nan
+    assert cp.asnumpy(NormOps().argmax(cp.asarray(x))).tolist() == [min(where)] * 2
 
 
 def test_argmax_follows_numpy_on_nan_inf_and_ties():

@@ -24,6 +24,9 @@ def _row_map(kernel: str, x):
     return out
 
 
+ARGMAX_SPAN = 4096  # elements per argmax_parts block: a 155k vocab row spreads over 38 blocks
+
+
 class NormOps:
     def rmsnorm(self, x, w, eps: float):
         """RMSNorm over the last axis, any leading shape (w=None: unweighted)."""
@@ -77,5 +80,8 @@ class NormOps:
         rows, n = rows_of(x, "x")
         out = cp.empty(x.shape[:-1], cp.int64)
         if rows:
-            launch("norm", "argmax_rows", (rows,), (BLOCK,), (x, out, i32(n)))
+            parts = (n + ARGMAX_SPAN - 1) // ARGMAX_SPAN
+            vals, idxs = cp.empty((rows, parts), cp.float32), cp.empty((rows, parts), cp.int32)
+            launch("norm", "argmax_parts", (rows, parts), (BLOCK,), (x, vals, idxs, i32(n), i32(ARGMAX_SPAN)))
+            launch("norm", "argmax_rows", (rows,), (BLOCK,), (vals, idxs, out, i32(parts)))
         return out

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 
-PROFILE_ROWS = 12  # kernel families listed per decode record; the rest in one row
+PROFILE_ROWS = 12  # kernel families listed per profile; the rest in one row
+NAME_CHARS = 60    # cuBLAS kernel names run past 100 characters
 
 
 def _head(path: str, r: dict) -> str:
@@ -56,17 +57,30 @@ def decode(path: str, r: dict) -> list[str]:
     out.append(f"| {_preset(r)} | {d['ms_per_step']:.2f} | {eager['ms_per_step']:.2f} | {d['tokens_per_s']:.1f} | "
                f"{d['weight_bytes_per_step'] / 1e9:.2f} GB | {100 * frac:.0f}% | {100 * d['host_share']:.0f}% | "
                + " | ".join(f"{p['tokens_per_s']:.0f}" for p in r["prefill"].values()) + " |")
-    prof = d.get("kernel_profile")
-    if prof:  # records before the per-kernel profile have none
-        out += ["", f"| kernel (GPU time of a replayed step: {prof['kernel_us_per_step'] / 1e3:.2f} ms; GPU idle "
-                f"{100 * prof['idle_share']:.0f}% of the span) | us/step | calls/step | share |", "|---|---|---|---|"]
-        families = list(prof["families"].items())
-        for name, f in families[:PROFILE_ROWS]:
-            out.append(f"| {name} | {f['us_per_step']:.0f} | {f['calls_per_step']:.0f} | {100 * f['share']:.1f}% |")
-        rest = families[PROFILE_ROWS:]
-        if rest:
-            out.append(f"| {len(rest)} others | {sum(f['us_per_step'] for _, f in rest):.0f} | "
-                       f"{sum(f['calls_per_step'] for _, f in rest):.0f} | {100 * sum(f['share'] for _, f in rest):.1f}% |")
+    out += _profile(d.get("kernel_profile"), "a replayed step")
+    for name, p in r["prefill"].items():
+        if "logits_vs_exact_class" in p:
+            out += ["", f"The {p['tokens']}-token prime's last logits differ from the same prompt primed in "
+                    f"exact-class walks by {p['logits_vs_exact_class']:.1e} of the largest logit."]
+        out += _profile(p.get("kernel_profile"), f"the {p['tokens']}-token prime")
+    return out
+
+
+def _profile(prof: dict | None, what: str) -> list[str]:
+    """A kernel profile's PROFILE_ROWS largest families and one row for the rest (records before
+    the per-kernel profile have none); library kernels' long names are cut."""
+    if not prof:
+        return []
+    out = ["", f"| kernel (GPU time of {what}: {prof['kernel_us_per_step'] / 1e3:.2f} ms; GPU idle "
+           f"{100 * prof['idle_share']:.0f}% of the span) | us | calls | share |", "|---|---|---|---|"]
+    families = list(prof["families"].items())
+    for name, f in families[:PROFILE_ROWS]:
+        name = name if len(name) <= NAME_CHARS else name[:NAME_CHARS] + "..."
+        out.append(f"| {name} | {f['us_per_step']:.0f} | {f['calls_per_step']:.0f} | {100 * f['share']:.1f}% |")
+    rest = families[PROFILE_ROWS:]
+    if rest:
+        out.append(f"| {len(rest)} others | {sum(f['us_per_step'] for _, f in rest):.0f} | "
+                   f"{sum(f['calls_per_step'] for _, f in rest):.0f} | {100 * sum(f['share'] for _, f in rest):.1f}% |")
     return out
 
 

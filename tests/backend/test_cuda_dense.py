@@ -5,7 +5,7 @@ projections (float32 CUDA cores, bf16 tensor cores, split-K), activations, eleme
 The table below runs through the shared gates of tests/backend/harness.py (numpy twin within
 each op's bound, t = 1..15 row invariance, red arms); the rest pins what a table can't: the
 identity-weight gate of the exact bf16 pieces (and its red arm, a dropped lo piece), split-K's
-choice by shape, the prime-class row tiles, the embed refusals, write_rows at a device position,
+choice by shape, prime-class accuracy (a prompt's rows), the embed refusals, write_rows at a device position,
 and scale / add bit for bit against numpy and against the CuPy arithmetic they replace.
 Run on the GPU host: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/backend/test_cuda_dense.py
 """

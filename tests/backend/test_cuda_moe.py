@@ -96,7 +96,7 @@ CASES = [
     case("moe_experts_odd_bf16", *_experts(5, 33, 67, 3, bf16=True)),
     case("moe_experts_odd_clamped", *_experts(5, 33, 67, 3, limit=0.75), ts=(1, 7, 11, 15)),
     case("moe_experts_odd_clamped_bf16", *_experts(5, 33, 67, 3, bf16=True, limit=0.75), ts=(1, 7, 11, 15)),
-    # prime class: more rows than one tensor-core pass per expert
+    # prime class: cuBLAS GEMMs over each routed expert's rows (backend/cuda/prime.py)
     case("moe_experts_prime_bf16", *_experts(4, 40, 264, 2, bf16=True), gates=frozenset({NUMPY}), ts=(40,)),
     case("moe_experts_prime_bf16_sparse", *_experts(16, 40, 264, 3, bf16=True), gates=frozenset({NUMPY}), ts=(17,)),
     case("moe_route_prime", *_route(64, 8, 2, 1, 2), gates=frozenset({NUMPY}), ts=(40,)),

@@ -8,7 +8,8 @@ and against the bound its realised acceptance allows.
 Greedy only. After a --context-token prompt: the plain greedy tape and plain tokens/s; for each K
 the verify time of K+1 rows (median of --reps walks, each rewound) and the real per-round draft
 cost of native-mtp (when the preset has an MTP block) and of a dflash2 fixture drafter built for
-the preset (median propose() time over a real session of --steps tokens). Then for each (alpha, K)
+the preset (median propose() time over a real session of --steps tokens), and native-mtp's lm head
+alone (one row, the part of each draft step an FR-Spec trim cuts). Then for each (alpha, K)
 a session drafted by `TapeSource` (the tape's next K tokens, each corrupted with
 probability 1 - alpha: acceptance is forced, draft cost ~0): two untimed rounds (the session's
 cache captures its verify walk), then --steps tokens timed. Its output must equal the plain tape
@@ -53,6 +54,7 @@ from memra.speculative.session import SpecSession  # noqa: E402
 # the built-in sources, taken directly: a broken third-party plugin must not void their timing
 GRAPH_ROUNDS = 2  # untimed rounds per session: its verify walk runs eagerly once, then is captured
 DRAFT_SOURCES = {"native-mtp": NativeMtpSource, "dflash2": DFlash2Source}
+HEAD_REPS = 20  # timed calls of native-mtp's lm head alone
 
 
 class TapeSource:
@@ -130,10 +132,19 @@ def spec_run(model, prompt, drafter, tape: list[int], steps: int, k: int):
     return ms, session.metrics
 
 
-def draft_costs(model, prompt, tape: list[int], args) -> tuple[dict, dict]:
+def head_ms(model, drafter) -> float:
+    """Median ms of native-mtp's lm head alone, one row through the drafter's head (full, or
+    FR-Spec-trimmed): the part of every draft step a trim can cut. One call at a time, the host's
+    launch included (the draft steps themselves replay graphs)."""
+    row = model.be.zeros((1, model.cfg.hidden_size))
+    call = partial(model.be.linear, row, drafter.head)
+    return float(np.median([timed_call(call, model.be)[0] for _ in range(HEAD_REPS)]))
+
+
+def draft_costs(model, prompt, tape: list[int], args) -> tuple[dict, dict, dict]:
     """Per source: {"K": median ms of one propose(K)} (or None where it cannot draft K), or None;
-    and the reason for each None source."""
-    costs, reasons = {}, {}
+    the reason for each None source; and native-mtp's lm head ms per draft step."""
+    costs, reasons, heads = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, source in DRAFT_SOURCES.items():
             try:
@@ -150,7 +161,9 @@ def draft_costs(model, prompt, tape: list[int], args) -> tuple[dict, dict]:
                 if k <= timed.max_k:
                     spec_run(model, prompt, timed, tape, args.steps, k)
                 costs[name][str(k)] = float(np.median(timed.ms)) if timed.ms else None
-    return costs, reasons
+            if name == "native-mtp":
+                heads[name] = head_ms(model, drafter)
+    return costs, reasons, heads
 
 
 def expected_tokens(alpha, k: int) -> float:
@@ -207,6 +220,10 @@ def card(record: dict) -> list[str]:
              f"{p['tokens_per_s']:.1f} tokens/s ({p['ms_per_step']:.3f} ms/step)"]
     for name, reason in record["draft_unavailable"].items():
         lines.append(f"  {name}: not measured ({reason})")
+    for name, ms in record["draft_head_ms_per_step"].items():
+        per_step = {k: v / int(k) for k, v in record["draft_ms"][name].items() if v is not None}
+        lines.append(f"  {name}: lm head {ms:.3f} ms of each draft step ("
+                     + ", ".join(f"K={k}: {v:.3f} ms a step" for k, v in per_step.items()) + ")")
     for r in record["spec"]:
         costs = "".join(f"  {n} {c['tokens_per_s']:8.1f} tok/s x{c['speedup_vs_plain']:4.2f}"
                         for n, c in r["with_draft_cost"].items() if c is not None)
@@ -240,7 +257,7 @@ def main(argv=None) -> int:
     cache, _ = prime_context(model, args.context, max(args.ks) + 1, args.seed)
     verify = {k: float(np.median(verify_times(model, cache, tape[:k + 1], args.reps)[0])) for k in args.ks}
     prompt = random_tokens(model.cfg, args.context, args.seed)
-    costs, reasons = draft_costs(model, prompt, tape, args)
+    costs, reasons, heads = draft_costs(model, prompt, tape, args)
     spec = [point(model, prompt, tape, a, k, verify[k], costs, plain["tokens_per_s"], args)
             for k in args.ks for a in args.alphas]
     for source, k, rates in profile_points(args.profile, args.ks) if args.profile else ():
@@ -251,7 +268,7 @@ def main(argv=None) -> int:
                           dflash2_drafter="write_fixture_drafter defaults (2 layers, block 8) for the preset")
     record = record_header("bench_spec", args.git_sha, config, model.be) | {
         "plain": plain, "verify_ms": {str(k): v for k, v in verify.items()}, "draft_ms": costs,
-        "draft_unavailable": reasons, "spec": spec,
+        "draft_head_ms_per_step": heads, "draft_unavailable": reasons, "spec": spec,
     }
     emit(record, card(record), args.out)
     return 0

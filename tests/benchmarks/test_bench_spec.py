@@ -31,6 +31,8 @@ def test_bench_spec_prints_one_json_line_and_full_acceptance_accepts_every_draft
     assert record["draft_unavailable"] == {}  # small has an MTP block; its dflash2 fixture is cheap
     for name in ("native-mtp", "dflash2"):
         assert all(record["draft_ms"][name][k] > 0 for k in ("1", "3"))
+    # native-mtp's lm head alone, per draft step: a part of the step it belongs to
+    assert 0 < record["draft_head_ms_per_step"]["native-mtp"] < record["draft_ms"]["native-mtp"]["1"]
     spec = record["spec"]
     assert [(p["alpha"], p["k"]) for p in spec] == [(0.5, 1), (1.0, 1), (0.5, 3), (1.0, 3)]
     for p in spec:

@@ -18,6 +18,13 @@ __device__ __forceinline__ float sigmoidf_exact(float x) { return 1.0f / (1.0f +
 
 __device__ __forceinline__ float siluf_exact(float x) { return x * sigmoidf_exact(x); }
 
+// The clamped SwiGLU of one unit: silu(min(gate, limit)) * clip(up, -limit, limit).
+__device__ __forceinline__ float swiglu_clamped(float gate, float up, float limit) {
+    const float g = gate > limit ? limit : gate;
+    const float u = up > limit ? limit : (up < -limit ? -limit : up);
+    return siluf_exact(g) * u;
+}
+
 // The reference's overflow-free sigmoid (hc, KDA gate, MoE scores): exp only ever sees -|x|.
 __device__ __forceinline__ float sigmoidf_stable(float x) {
     const float e = expf(-fabsf(x));

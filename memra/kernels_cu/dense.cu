@@ -303,8 +303,6 @@ extern "C" __global__ void swiglu_kernel(const float* gate, const float* up, flo
                                          float limit) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        const float g = gate[i] > limit ? limit : gate[i];
-        const float u = up[i] > limit ? limit : (up[i] < -limit ? -limit : up[i]);
-        y[i] = siluf_exact(g) * u;
+        y[i] = swiglu_clamped(gate[i], up[i], limit);
     }
 }

@@ -39,17 +39,13 @@ extern "C" __global__ void bf16_pieces(const float* x, const long long* rows, un
 }
 
 // The routed experts' hidden rows: gate, up [m, 3, I] are GEMM rows of the input's pieces;
-// out [m, 3, I] = the pieces of silu(min(gate, limit)) * clip(up, -limit, limit) (dense.cu's
-// swiglu_kernel) of their sums.
+// out [m, 3, I] = the pieces of swiglu_clamped (dense.cu's swiglu_kernel) of their sums.
 extern "C" __global__ void swiglu_pieces(const float* gate, const float* up, unsigned short* out,
                                          long long m, int d, float limit) {
     for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < m * d;
          e += (long long)gridDim.x * blockDim.x) {
         const long long at = (e / d) * 3 * d + e % d;
-        const float gs = sum_pieces(gate + at, d), us = sum_pieces(up + at, d);
-        const float g = gs > limit ? limit : gs;
-        const float u = us > limit ? limit : (us < -limit ? -limit : us);
-        put_pieces(siluf_exact(g) * u, out + at, d);
+        put_pieces(swiglu_clamped(sum_pieces(gate + at, d), sum_pieces(up + at, d), limit), out + at, d);
     }
 }
 

@@ -50,7 +50,7 @@ def pieces(x, rows=None):
     out = cp.empty((m, PIECES, d), cp.uint16)
     if m * d:
         launch("prime", "bf16_pieces", (min(blocks_of(m * d), MAX_GRID),), (BLOCK,),
-               (x, rows if rows is not None else np.uint64(0), out, np.int64(m), i32(d)))
+               (x, rows, out, np.int64(m), i32(d)))
     return out
 
 

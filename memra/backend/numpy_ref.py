@@ -124,6 +124,11 @@ class NumpyBackend(NumpyKdaOps):
             out[r] = w @ x[r]
         return out
 
+    def linears(self, x: np.ndarray, ws) -> list:
+        """The projections of one input, [linear(x, w) for w in ws] (the CUDA backend shares
+        work between them on a prompt's rows)."""
+        return [self.linear(x, w) for w in ws]
+
     def head_linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """Per-head projection: y[r, h] = w[h] @ x[r, h]; x [t, H, in], w [H, out, in]."""
         out = np.empty((x.shape[0], w.shape[0], w.shape[1]), F32)

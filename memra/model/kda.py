@@ -59,7 +59,7 @@ class KdaMixer:
         each row into the layer's snapshots (rollback)."""
         be, t, hk, dk = self.be, x.shape[0], self.heads, self.dk
         c = hk * dk
-        raw = be.linear(x, self.qkv)
+        raw, f_low, beta_in, gate_low = be.linears(x, (self.qkv, self.f_a, self.b_proj, self.g_a))
         ring_rows = state_rows = None
         if stash is not None:
             stash.update(ring=st.ring.copy(), state=st.state.copy())
@@ -69,10 +69,10 @@ class KdaMixer:
         q = be.scale(be.l2norm(heads(slice(0, c)), 1e-6), dk ** -0.5)
         k = be.l2norm(heads(slice(c, 2 * c)), 1e-6)
         v = heads(slice(2 * c, 3 * c))
-        f = be.linear(be.linear(x, self.f_a), self.f_b).reshape(t, hk, dk)
+        f = be.linear(f_low, self.f_b).reshape(t, hk, dk)
         g = be.kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound)
-        beta = be.sigmoid(be.linear(x, self.b_proj))
+        beta = be.sigmoid(beta_in)
         o = be.kda_recurrence(q, k, v, g, beta, st.state, state_rows)
-        gate = be.linear(be.linear(x, self.g_a), self.g_b).reshape(t, hk, dk)
+        gate = be.linear(gate_low, self.g_b).reshape(t, hk, dk)
         o = be.gated_rmsnorm(o, gate, self.o_norm, self.cfg.rms_norm_eps)
         return be.linear(o.reshape(t, c), self.o_proj)

@@ -25,17 +25,20 @@ class KpoolIndexer:
         self.weights_proj = be.matrix(w("indexer.weights_proj.weight"))
         self.gate = be.matrix(w("indexer.index_kpool_compress_gate"))
         self.ape = be.weight(w("indexer.index_kpool_compress_ape"))
+        self.x_weights = (self.wk, self.gate, self.weights_proj)  # the projections of the mixer's input
 
-    def __call__(self, x, qr, plane: LatentPlane, at):
+    def __call__(self, projected, qr, plane: LatentPlane, at):
         """Write the rows' indexer keys, finalize the pools they complete, select positions.
-        `at` is the walk's first position as the backend reads it (be.position)."""
+        projected: the mixer's input through self.x_weights; `at` is the walk's first position
+        as the backend reads it (be.position)."""
         be, cfg = self.be, self.cfg
-        t, hi, di, pool = x.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
-        be.write_rows(plane.index_keys, be.layernorm(be.linear(x, self.wk), self.k_norm_w, self.k_norm_b, 1e-6), at)
-        be.write_rows(plane.index_gates, be.linear(x, self.gate), at)
+        keys, gates, wts = projected
+        t, hi, di, pool = qr.shape[0], cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+        be.write_rows(plane.index_keys, be.layernorm(keys, self.k_norm_w, self.k_norm_b, 1e-6), at)
+        be.write_rows(plane.index_gates, gates, at)
         be.kpool_finalize(plane.index_keys, plane.index_gates, self.ape, plane.pool_keys, at, t)
         q = be.linear(qr, self.wq_b).reshape(t, hi, di)
-        wts = be.scale(be.linear(x, self.weights_proj), hi ** -0.5)
+        wts = be.scale(wts, hi ** -0.5)
         return be.kpool_select(
             q, wts, plane.pool_keys, at, pool, cfg.index_pool_budget, cfg.index_width,
             di ** -0.5,
@@ -57,6 +60,7 @@ class MlaMixer:
         self.o_proj = be.matrix(w("o_proj.weight"))
         self.indexer = KpoolIndexer(be, w, cfg) if with_indexer else None
         self.scale = cfg.qk_head_dim ** -0.5
+        self.x_weights = (self.q_a, self.kv_a, *(self.indexer.x_weights if self.indexer else ()))
 
     def new_plane(self, max_ctx: int) -> LatentPlane:
         be, cfg = self.be, self.cfg
@@ -73,11 +77,12 @@ class MlaMixer:
         rows; the caller checks the plane before (LatentPlane.check) and advances it after."""
         be, cfg, t = self.be, self.cfg, x.shape[0]
         h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-        qr = be.rmsnorm(be.linear(x, self.q_a), self.q_a_norm, cfg.rms_norm_eps)
+        q_low, kv_low, *indexed = be.linears(x, self.x_weights)
+        qr = be.rmsnorm(q_low, self.q_a_norm, cfg.rms_norm_eps)
         q = be.linear(qr, self.q_b).reshape(t, h, dn)
-        be.write_rows(plane.latent, be.rmsnorm(be.linear(x, self.kv_a), self.kv_a_norm, cfg.rms_norm_eps), at)
+        be.write_rows(plane.latent, be.rmsnorm(kv_low, self.kv_a_norm, cfg.rms_norm_eps), at)
         if self.indexer is not None:
-            selection = self.indexer(x, qr, plane, at)
+            selection = self.indexer(indexed, qr, plane, at)
         # the whole plane: the selection names only positions below the walk's last row
         o_lat = be.mla_attend(be.head_linear(q, self.w_uk_t), plane.latent, selection, self.scale)
         o = be.head_linear(o_lat, self.w_uv).reshape(t, h * dv)

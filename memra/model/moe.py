@@ -19,7 +19,7 @@ class DenseMlp:
 
     def __call__(self, x):
         be = self.be
-        h = be.swiglu(be.linear(x, self.gate), be.linear(x, self.up), self.limit)
+        h = be.swiglu(*be.linears(x, (self.gate, self.up)), self.limit)
         return be.linear(h, self.down)
 
 

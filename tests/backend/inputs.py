@@ -24,6 +24,17 @@ def make_linear(d_in, d_out, weight=normal):
     return make
 
 
+def make_linears(d_in, d_outs, weight=normal):
+    """One input and several weights (the projections that share it: be.linears)."""
+    def make(rng, t):
+        return {"x": normal(rng, (t, d_in))}, {f"w{i}": weight(rng, (d, d_in), d_in ** -0.5) for i, d in enumerate(d_outs)}
+    return make
+
+
+def linears(be, r, s):
+    return tuple(be.linears(r["x"], [s[k] for k in sorted(s)]))
+
+
 def make_head_linear(h, d_in, d_out, weight=normal):
     def make(rng, t):
         return {"x": normal(rng, (t, h, d_in))}, {"w": weight(rng, (h, d_out, d_in), d_in ** -0.5)}

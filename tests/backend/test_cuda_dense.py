@@ -27,7 +27,7 @@ from memra.errors import InputError  # noqa: E402
 from memra.safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: E402
 from tests.backend.harness import (  # noqa: E402
     OpGates, RedArm, assert_matches_numpy, split_dot, table)
-from tests.backend.inputs import make_head_linear, make_linear, make_rows, normal  # noqa: E402
+from tests.backend.inputs import linears, make_head_linear, make_linear, make_linears, make_rows, normal  # noqa: E402
 
 F32 = np.float32
 
@@ -36,6 +36,7 @@ F32 = np.float32
 TOL = {
     "embed": (0.0, 0.0),
     "linear": (1e-4, 1e-5),
+    "linears": (1e-4, 1e-5),
     "head_linear": (1e-4, 1e-5),
     "silu": (1e-5, 1e-6),
     "sigmoid": (1e-5, 1e-6),
@@ -83,6 +84,10 @@ CASES = [
     case("linear_bf16_wide_odd", make_linear(1029, 33, _bf16), _linear),
     # split-K: 4608 in-features are three 2048-wide slices (the last ragged), 70 outputs one block
     case("linear_bf16_split_k", make_linear(4608, 70, _bf16), _linear),
+    # one input, several weights: a prompt's rows (37 > VERIFY_CAP) share the input's bf16 pieces
+    case("linears_bf16", make_linears(300, (45, 70, 8), _bf16), linears, ts=(1, 7, 15, 37)),
+    case("linears_mixed", make_linears(128, (64, 33, 20), lambda rng, shape, std: (
+        normal(rng, shape, std) if shape[0] == 33 else _bf16(rng, shape, std))), linears, ts=(1, 37)),
     case("head_linear", make_head_linear(4, 16, 32), _head_linear),
     case("head_linear_odd", make_head_linear(3, 17, 13), _head_linear),
     case("head_linear_bf16", make_head_linear(2, 64, 40, _bf16), _head_linear),

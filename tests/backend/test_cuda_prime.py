@@ -126,8 +126,8 @@ def test_red_arm_a_perturbed_prime_projection_is_caught(small_bf16, monkeypatch)
     prompt = np.random.default_rng(9).integers(0, small_bf16.cfg.vocab_size, 70)
     real = prime.prime_linear
 
-    def perturbed(x, w):
-        y = real(x, w)
+    def perturbed(x, w, xp=None):
+        y = real(x, w, xp)
         return y * cp.where(cp.arange(y.shape[1]) % 2 == 0, cp.float32(1.002), cp.float32(0.998))
 
     monkeypatch.setattr("memra.backend.cuda.dense.prime_linear", perturbed)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from memra.backend.numpy_ref import NumpyBackend
-from tests.backend.inputs import make_head_linear, make_linear, make_norm, mismatched_rows, normal, uniform
+from tests.backend.inputs import linears, make_head_linear, make_linear, make_linears, make_norm, mismatched_rows, normal, uniform
 
 F32 = np.float32
 T_MAX = 15  # the exact-class row cap (K <= 14)
@@ -154,6 +154,7 @@ ROW_CASES = [
     _case("embed", _make_embed, lambda be, r, s, _: be.embed(s["table"], r["ids"])),
     _case("linear", make_linear(128, 64), lambda be, r, s, _: be.linear(r["x"], s["w"])),
     _case("linear_odd", make_linear(67, 129), lambda be, r, s, _: be.linear(r["x"], s["w"])),
+    _case("linears", make_linears(67, (129, 5, 64)), lambda be, r, s, _: linears(be, r, s)),
     _case("head_linear", make_head_linear(4, 16, 32), lambda be, r, s, _: be.head_linear(r["x"], s["w"])),
     _case("head_linear_odd", make_head_linear(3, 17, 13), lambda be, r, s, _: be.head_linear(r["x"], s["w"])),
     _case("rmsnorm", make_norm((128,)), lambda be, r, s, _: be.rmsnorm(r["x"], s["w"], 1e-5)),

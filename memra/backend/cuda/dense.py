@@ -23,7 +23,7 @@ import numpy as np
 import cupy as cp
 
 from memra.backend.cuda.fp8 import DeviceFp8
-from memra.backend.cuda.prime import is_prime, prime_linear
+from memra.backend.cuda.prime import is_prime, pieces, prime_linear
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, check, f32, i32, launch, position, weight_kind
 from memra.errors import InputError
 from memra.kernels_cu.constants import BF16_OUTS, OUTS_PER_WARP, SPLIT_KC, WARPS_PER_BLOCK
@@ -137,6 +137,15 @@ class DenseOps:
         launch("dense", "linear_split_sum", (min((out.size + BLOCK - 1) // BLOCK, MAX_GRID),), (BLOCK,),
                (part, out, np.int64(out.size), i32(splits)))
         return out
+
+    def linears(self, x, ws) -> list:
+        """The projections of one input, [linear(x, w) for w in ws]. A prompt's rows are split
+        into their bf16 pieces once for all the bf16 weights instead of once per weight."""
+        bf16 = [not isinstance(w, DeviceFp8) and weight_kind(w, "w") == "bf16" for w in ws]
+        if not is_prime(x.shape[0]) or sum(bf16) < 2:
+            return [self.linear(x, w) for w in ws]
+        shared = pieces(x)
+        return [prime_linear(x, w, shared) if is_bf16 else self.linear(x, w) for w, is_bf16 in zip(ws, bf16)]
 
     def head_linear(self, x, w):
         """Per-head projection: y[r, h] = w[h] @ x[r, h]; x [t, H, in], w [H, out, in]."""

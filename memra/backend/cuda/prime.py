@@ -86,12 +86,14 @@ def gemm_pieces(xp, w):
     return out
 
 
-def prime_linear(x, w):
-    """y = x @ w.T for prime-class rows; w [out, in] float32 or bf16 bits."""
+def prime_linear(x, w, xp=None):
+    """y = x @ w.T for prime-class rows; w [out, in] float32 or bf16 bits; xp: x's pieces, when
+    the caller shares them between the projections of one input."""
     check(x, cp.float32, "x")
+    assert x.ndim == 2 and x.shape[1] == w.shape[1], f"x: expected [t, {w.shape[1]}], got {x.shape}"
     if w.dtype == cp.float32:
         return cp.ascontiguousarray(cp.matmul(x, w.T))
-    return gemm_pieces(pieces(x), w)
+    return gemm_pieces(pieces(x) if xp is None else xp, w)
 
 
 def prime_experts(x, idx, wts, gate_w, up_w, down_w, limit: float):

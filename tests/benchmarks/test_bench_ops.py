@@ -1,10 +1,14 @@
 """bench_ops' bookkeeping on CPU: ratios pair graph time with graph time and call time with call
-time, a refused capture gives a reason instead of a number, and every decode op runs on the
-numpy backend (small preset) with the bytes it must move. The GPU timers are stood in for.
+time, a refused capture gives a reason instead of a number, every decode op runs on the numpy
+backend (small preset) with the bytes it must move, and the README table renders new records and
+every committed one. The GPU timers are stood in for.
 No __init__.py in this folder: one would make `benchmarks` name this folder, not the scripts'.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +16,7 @@ import pytest
 from benchmarks import bench_ops_decode
 from benchmarks.bench_ops_decode import DECODE_ROWS, bench_decode_ops, bench_layer, decode_ops
 from benchmarks.op_timing import op_card, op_entry, timed
+from benchmarks.readme_table import ops as ops_table
 from memra.backend.numpy_ref import NumpyBackend
 from memra.config import ModelConfig, preset
 
@@ -105,3 +110,36 @@ def test_without_a_torch_timer_the_peers_are_reported_missing(small_layer):
     out = bench_decode_ops(be, SMALL, layer, np.random.default_rng(0), ROOF, _clock(0.01), call_ms=_clock(0.02))
     assert out["rmsnorm_t1"]["peer_missing"] == "torch not available"
     assert out["hc_weights_t1"]["peer_missing"].startswith("no short torch form")
+
+
+def _new_record() -> dict:
+    kda = op_entry(8_552_704, ROOF, {"ms": 0.04, "call_ms": 0.045},
+                   {"ms": 0.05, "call_ms": 0.085, "name": "fla fused_recurrent_kda"})
+    refused = op_entry(9_701_376, ROOF, {"ms": 0.05, "call_ms": 0.06},
+                       timed(lambda: None, _refuse, call_ms=_clock(0.1)) | {"name": "fla fused_recurrent_kda"})
+    norm = op_entry(32_768, ROOF, {"ms": 0.002, "call_ms": 0.01}, None, "no short torch form")
+    return {"bench": "bench_ops", "git_sha": "abcdef0", "date": "2026-12-02", "device": "NVIDIA H200",
+            "config": {"rows": [1], "shapes": {"proj_4096x4096": [4096, 4096]}, "graph_calls": 20},
+            "linear": {"proj_4096x4096_t1": {"ratio": 1.08}},
+            "ops": {"kda_recurrence_t1": kda, "kda_recurrence_t8": refused, "hc_weights_t1": norm}}
+
+
+def test_readme_table_puts_the_graph_ratio_beside_the_call_ratio():
+    lines = ops_table("new.json", _new_record())
+    row = lambda name: next(line for line in lines if line.startswith(f"| {name} |"))  # noqa: E731
+    assert row("kda_recurrence_t1") == ("| kda_recurrence_t1 | fla fused_recurrent_kda | 40 us | 50 us | 0.80x | "
+                                        "0.53x | 8.55 MB | 21.4% |")
+    assert "| capture refused | n/a | 0.60x |" in row("kda_recurrence_t8")
+    assert row("hc_weights_t1").startswith("| hc_weights_t1 | none: no short torch form | 2.0 us | n/a | n/a | n/a |")
+
+
+def test_readme_table_renders_every_committed_bench_ops_record_with_old_ratios_as_per_call():
+    """Records before graph timing on both sides: their one ratio lands in the per-call column."""
+    paths = sorted(Path(__file__).resolve().parents[2].glob("benchmarks/results/bench_ops-*.json"))
+    assert paths
+    for path in paths:
+        record = json.loads(path.read_text())
+        lines = ops_table(str(path), record)
+        if "memra_ms" in record["kda_recurrence_t1"]:
+            kda = next(line for line in lines if line.startswith("| kda_recurrence_t1 |"))
+            assert f"| n/a | n/a | n/a | {record['kda_recurrence_t1']['ratio']:.2f}x |" in kda

@@ -143,3 +143,15 @@ def test_readme_table_renders_every_committed_bench_ops_record_with_old_ratios_a
         if "memra_ms" in record["kda_recurrence_t1"]:
             kda = next(line for line in lines if line.startswith("| kda_recurrence_t1 |"))
             assert f"| n/a | n/a | n/a | {record['kda_recurrence_t1']['ratio']:.2f}x |" in kda
+
+
+def test_every_torch_peer_agrees_with_memra_on_the_numpy_backend(small_layer):
+    torch = pytest.importorskip("torch")
+    be, layer = small_layer
+    out = bench_decode_ops(be, SMALL, layer, np.random.default_rng(0), ROOF, _clock(0.01), _clock(0.02),
+                           call_ms=_clock(0.03), as_torch=torch.from_numpy)
+    peered = {name: v for name, v in out.items() if v["peer"] is not None}
+    assert {name.rsplit("_t", 1)[0] for name in peered} == {"rmsnorm", "hc_collapse", "hc_combine", "moe_route"}
+    for name, v in peered.items():
+        assert v["peer"]["agree"], (name, v["peer"]["max_rel_diff"])
+        assert v["ratio"] == pytest.approx(0.5) and v["call_ratio"] == pytest.approx(1.0)

@@ -99,7 +99,12 @@ def bench_kda(be, rng, roof: float, heads: int = 64, dk: int = 128) -> dict:
         beta = be.sigmoid(f(t, heads))
         state = f(heads, dk, dk)
         nbytes = 2 * state.nbytes + sum(a.nbytes for a in (q, k, v, g, beta)) + v.nbytes  # + o
-        peer = _kda_fla(fla, be, q, k, v, g, beta, state) if fla else None
+        peer = None
+        if fla:
+            try:
+                peer = _kda_fla(fla, be, q, k, v, g, beta, state)
+            except Exception as e:  # a Triton build or launch failing on this host: say so, time memra anyway
+                missing = f"fla failed: {type(e).__name__}: {e}"
         memra = timed(lambda: be.kda_recurrence(q, k, v, g, beta, state), cupy_graph_ms)
         out[f"kda_recurrence_t{t}"] = op_entry(nbytes, roof, memra, peer, missing, state_bytes=int(state.nbytes))
     return out

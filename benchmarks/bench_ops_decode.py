@@ -1,8 +1,8 @@
 """bench_ops' decode ops: the norm, the mHC site, routing and the routed experts of one real layer.
 
     layer = bench_layer(cfg, be)                       # the `bench` preset's first MoE layer
-    ops = decode_ops(be, cfg, layer, rows=1, rng)      # name -> DecodeOp
-    entries = bench_decode_ops(be, cfg, layer, rng, roof, cupy_graph_ms, torch_graph_ms)
+    ops = decode_ops(be, cfg, layer, 1, rng)           # name -> DecodeOp, at 1 row
+    entries = bench_decode_ops(be, cfg, layer, rng, roof, cupy_graph_ms, torch_graph_ms, as_torch=view)
 
 The layer is built as the engine builds it (TrunkLayer on `bench_weights`: bf16 projection and
 expert stacks, float32 norms, mHC weights and router), so each op runs on the shapes and dtypes a

@@ -118,6 +118,8 @@ def op_card(name: str, v: dict) -> str:
         return f"{line}  no peer ({v['peer_missing']})"
     graph = (f"ratio {v['ratio']:5.2f}" if v["ratio"] is not None
              else f"no graph ratio ({p.get('graph_refused') or v.get('memra_graph_refused')})")
-    agree = "" if "agree" not in p else ("  agree" if p["agree"] else "  DISAGREE") + f" (max rel diff {p['max_rel_diff']:.1e})"
+    agree = ""
+    if "agree" in p:
+        agree = f"  {'agree' if p['agree'] else 'DISAGREE'} (max rel diff {p['max_rel_diff']:.1e})"
     return (f"{line}  {p['name']} {_us(p['ms'])} us graph ({_us(p['call_ms'])} per call)  {graph}  "
             f"call ratio {v['call_ratio']:5.2f}{agree}")

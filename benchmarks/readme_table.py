@@ -65,7 +65,8 @@ def _op_entries(r: dict) -> dict:
         if "memra_ms" not in v:
             continue
         p = v.get(peer)
-        out[name] = {"memra_ms": None, "memra_call_ms": v["memra_ms"], "bytes": v.get("bytes", v.get("latent_bytes_read")),
+        nbytes = v.get("bytes", v.get("latent_bytes_read"))
+        out[name] = {"memra_ms": None, "memra_call_ms": v["memra_ms"], "bytes": nbytes,
                      "peer": p and {"name": OLD_PEERS[peer], "ms": None, "call_ms": p["ms"]},
                      "peer_missing": f"{OLD_PEERS[peer]} missing", "ratio": None, "call_ratio": v.get("ratio")}
     return out

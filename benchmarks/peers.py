@@ -1,13 +1,15 @@
-"""The peers bench_ops times memra's attention ops against: the same math in someone else's code.
+"""The peers bench_ops times memra's ops against: the same math in someone else's code.
 
     o, state = kda_fla(q, k, v, g, beta, state)        # fla's fused_recurrent_kda (Triton)
     o_lat = mla_attend_torch(q_lat, latent, positions, scale)  # gather + einsum + softmax
+    y = rmsnorm_torch(x, w, eps)                       # and hc_collapse_torch, hc_combine_torch,
+    idx, wts = moe_route_torch(x, w_gate, bias, ...)   # the decode ops with a short torch form
 
-Both take and return torch tensors in memra's layouts and mean exactly what
-NumpyBackend.kda_recurrence and NumpyBackend.mla_attend mean (backend/numpy_ref.py). No cupy
-here, so tests/benchmarks/test_peers.py checks them against the numpy reference; bench_ops hands
-them its cupy arrays as zero-copy torch views. fla (the fla-core wheel) is imported only when
-kda_fla is called.
+Each takes and returns torch tensors in memra's layouts and means exactly what the NumpyBackend
+method of the same name means (backend/numpy_ref.py). No cupy here, so
+tests/benchmarks/test_peers.py checks them against the numpy reference; bench_ops hands them its
+cupy arrays as zero-copy torch views. fla (the fla-core wheel) is imported only when kda_fla is
+called.
 """
 
 from __future__ import annotations
@@ -59,6 +61,37 @@ def mla_attend_torch(q_lat, latent, positions, scale: float):
     scores = torch.einsum("thr,twr->thw", q_lat, c) * scale
     scores = scores.masked_fill((pos < 0)[:, None, :], float("-inf"))
     return torch.einsum("thw,twr->thr", torch.softmax(scores, dim=-1), c)
+
+
+def rmsnorm_torch(x, w, eps: float):
+    """NumpyBackend.rmsnorm with a weight: x / sqrt(mean(x^2) + eps) * w over the last axis."""
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def hc_collapse_torch(streams, pre):
+    """sum_i pre_i X_i: [t, n, D] -> [t, D]."""
+    return torch.einsum("tn,tnd->td", pre, streams)
+
+
+def hc_combine_torch(streams, f, post, comb):
+    """X'_b = post_b f + sum_a C[a, b] X_a (C transposed)."""
+    return post[:, :, None] * f[:, None, :] + torch.einsum("tab,tad->tbd", comb, streams)
+
+
+def moe_route_torch(x, w_gate, bias, n_group: int, topk_group: int, k: int, renormalize: bool, scaling: float):
+    """NumpyBackend.moe_route: choose by sigmoid score + bias among the topk_group groups with the
+    largest top-2 sums, weigh by the unbiased score -> (experts [t, k] ascending, weights [t, k])."""
+    scores = torch.sigmoid(x @ w_gate.T)
+    t, e = scores.shape
+    groups = (scores + bias).view(t, n_group, e // n_group)
+    kept = groups.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
+    mask = torch.zeros(t, n_group, dtype=torch.bool, device=x.device).scatter_(1, kept, True)
+    choice = groups.masked_fill(~mask[:, :, None], float("-inf")).view(t, e)
+    idx = choice.topk(k, dim=-1).indices.sort(dim=-1).values
+    wts = scores.gather(1, idx)
+    if renormalize:
+        wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
+    return idx, wts * scaling
 
 
 def max_rel_diff(ours, ref) -> float:

@@ -1,6 +1,6 @@
 """bench_ops' peers compute memra's math: each against the numpy reference, with a red arm.
 
-The MLA peer runs on CPU torch. The fla peer needs Triton, so it runs on a CUDA device with the
+The MLA, norm, mHC and routing peers run on CPU torch. The fla peer needs Triton, so it runs on a CUDA device with the
 fla-core wheel importable (the GPU host: `pytest -m gpu`) and skips elsewhere.
 No __init__.py in this folder: one would make `benchmarks` name this folder, not the scripts'.
 """
@@ -12,7 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from benchmarks.peers import fla_inputs, kda_fla, max_rel_diff, mla_attend_torch  # noqa: E402
+from benchmarks.peers import (  # noqa: E402
+    fla_inputs, hc_collapse_torch, hc_combine_torch, kda_fla, max_rel_diff, mla_attend_torch, moe_route_torch,
+    rmsnorm_torch,
+)
 from memra.backend.numpy_ref import NumpyBackend  # noqa: E402
 
 F32 = np.float32
@@ -105,3 +108,41 @@ def test_kda_fla_matches_numpy_reference():
 def test_kda_fla_red_arm_default_scale_breaks_agreement():
     o_diff, _ = kda_fla_diffs(_cuda_with_fla(), fla_default_scale)
     assert o_diff > 1e-2
+
+
+def _decode_case(rng, t=3, n=4, d=16, e=8):
+    f = lambda *s: rng.standard_normal(s).astype(F32)  # noqa: E731
+    pre, post, comb = f(t, n), f(t, n), f(t, n, n)
+    return f(t, d), f(d), f(t, n, d), pre, post, comb, f(e, d), f(e) * F32(0.1)
+
+
+def test_rmsnorm_and_hc_torch_forms_match_numpy_reference():
+    x, w, streams, pre, post, comb, _, _ = map(torch.from_numpy, _decode_case(np.random.default_rng(2)))
+    be, a = NumpyBackend(), lambda t: t.numpy()  # noqa: E731
+    pairs = [(rmsnorm_torch(x, w, 1e-5), be.rmsnorm(a(x), a(w), 1e-5)),
+             (hc_collapse_torch(streams, pre), be.hc_collapse(a(streams), a(pre))),
+             (hc_combine_torch(streams, x, post, comb), be.hc_combine(a(streams), a(x), a(post), a(comb)))]
+    for ours, ref in pairs:
+        assert max_rel_diff(ours, torch.from_numpy(ref)) < 1e-5
+
+
+def test_hc_combine_torch_red_arm_untransposed_mixing_breaks_agreement():
+    x, _, streams, _, post, comb, _, _ = map(torch.from_numpy, _decode_case(np.random.default_rng(2)))
+    ref = NumpyBackend().hc_combine(streams.numpy(), x.numpy(), post.numpy(), comb.numpy())
+    untransposed = hc_combine_torch(streams, x, post, comb.transpose(1, 2))
+    assert max_rel_diff(untransposed, torch.from_numpy(ref)) > 1e-2
+
+
+@pytest.mark.parametrize("n_group, topk_group", [(1, 1), (4, 2)])
+def test_moe_route_torch_matches_numpy_reference(n_group, topk_group):
+    x, _, _, _, _, _, w_gate, bias = _decode_case(np.random.default_rng(3))
+    ref_idx, ref_wts = NumpyBackend().moe_route(x, w_gate, bias, n_group, topk_group, 2, True, 2.5)
+    idx, wts = moe_route_torch(*map(torch.from_numpy, (x, w_gate, bias)), n_group, topk_group, 2, True, 2.5)
+    assert np.array_equal(idx.numpy(), ref_idx) and max_rel_diff(wts, torch.from_numpy(ref_wts)) < 1e-6
+
+
+def test_moe_route_torch_red_arm_choosing_without_the_bias_picks_other_experts():
+    x, _, _, _, _, _, w_gate, bias = _decode_case(np.random.default_rng(3))
+    ref_idx, _ = NumpyBackend().moe_route(x, w_gate, bias * F32(100), 1, 1, 2, True, 2.5)
+    idx, _ = moe_route_torch(*map(torch.from_numpy, (x, w_gate, 0 * bias)), 1, 1, 2, True, 2.5)
+    assert not np.array_equal(idx.numpy(), ref_idx)

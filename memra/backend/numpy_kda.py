@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from memra.kernels_cu.constants import KDA_CHUNK
+
 F32 = np.float32
 
 
@@ -60,3 +62,73 @@ class NumpyKdaOps:
             if rows is not None and r < t - 1:
                 rows[r] = state
         return out
+
+    def kda_chunks(self, q, k, v, g, beta, state: np.ndarray, chunk: int = KDA_CHUNK) -> np.ndarray:
+        """kda_recurrence for a prompt (prime class) in chunks of `chunk` rows, the chunked
+        scan's math in float32 (the CUDA twin: backend/cuda/kda_chunks.py). Same contract;
+        equal to the row walk up to rounding, not bit for bit."""
+        t, hk, _ = q.shape
+        out = np.empty((t, hk, v.shape[2]), F32)
+        heads = lambda a: np.ascontiguousarray(np.moveaxis(a, 0, 1))  # [n, Hk, ...] -> [Hk, n, ...]
+        for r0 in range(0, t, chunk):
+            rows = slice(r0, r0 + chunk)
+            pieces = chunk_pieces(*(heads(a[rows]) for a in (q, k, v, g, beta)))
+            out[rows] = np.moveaxis(chunk_step(pieces, state), 1, 0)
+        return out
+
+
+def chunk_pieces(q, k, v, g, beta) -> dict:
+    """The S0-free pieces of one chunk, per head (kda_chunks.cu's prep kernel): q, k, g [Hk, n, dk],
+    v [Hk, n, dv], beta [Hk, n]. With G the in-chunk cumulative sum of g, every exponent is a
+    difference G_r - G_j (r >= j) or -G, so no factor exceeds 1.
+
+      A[r, j] = beta_r sum_d k_r k_j exp(G_r - G_j) (j < r);  (I + A) X = diag(beta) B
+      W = X for B = exp(G) k;  U0 = X for B = v      (so the chunk's u = U0 - W S0)
+      Qm[r, j] = sum_d q_r k_j exp(G_r - G_j) (j <= r);  Qtil = exp(G) q
+      Khat_j = exp(G_last - G_j) k_j;  decay = exp(G_last)
+    """
+    hi, lo = cumulative_log_decay(g)
+    diff = (hi[:, :, None, :] - hi[:, None, :, :]) + (lo[:, :, None, :] - lo[:, None, :, :])  # [Hk, r, j, dk]
+    lower = np.tril(np.ones(diff.shape[1:3], bool))
+    kj = np.where(lower[..., None], np.exp(np.minimum(diff, F32(0))), F32(0)) * k[:, None, :, :]
+    a = np.einsum("hrd,hrjd->hrj", k, kj) * beta[:, :, None] * ~np.eye(lower.shape[0], dtype=bool)
+    qm = np.einsum("hrd,hrjd->hrj", q, kj)
+    decayed = np.exp(hi) * (F32(1) + lo)  # exp(G): exp(hi) is accurate for any |hi|, lo tiny
+    w = chunk_solve(a.astype(F32), beta, decayed * k)
+    u0 = chunk_solve(a.astype(F32), beta, v)
+    last = diff[:, -1]                       # G_last - G_j
+    return {"w": w, "u0": u0, "qm": qm.astype(F32), "qtil": (decayed * q).astype(F32),
+            "khat": (np.exp(last) * k).astype(F32), "decay": decayed[:, -1]}
+
+
+def cumulative_log_decay(g):
+    """G = the cumulative sum of g [Hk, n, dk] over the rows as hi + lo (Knuth's two-sum): a
+    difference G_r - G_j then keeps float32 accuracy relative to itself, not to |G| (a row of
+    strong decay followed by weak ones would otherwise lose ulp(|G|) in every later factor)."""
+    hi, lo = np.empty_like(g), np.empty_like(g)
+    acc, err = np.zeros_like(g[:, 0]), np.zeros_like(g[:, 0])
+    for r in range(g.shape[1]):
+        total = acc + g[:, r]
+        back = total - acc
+        err = err + ((acc - (total - back)) + (g[:, r] - back))
+        acc = total
+        hi[:, r], lo[:, r] = acc, err
+    return hi, lo
+
+
+def chunk_solve(a, beta, b):
+    """X with (I + A) X = diag(beta) B, A strictly lower [Hk, n, n]: forward substitution,
+    X_r = beta_r B_r - sum_{j<r} A[r, j] X_j."""
+    x = np.zeros(b.shape, F32)
+    for r in range(b.shape[1]):
+        x[:, r] = beta[:, r, None] * b[:, r] - np.einsum("hj,hjc->hc", a[:, r, :r], x[:, :r])
+    return x
+
+
+def chunk_step(p: dict, state: np.ndarray) -> np.ndarray:
+    """One chunk of the scan (kda_chunks.cu's scan kernel): o [Hk, n, dv] from the state S0 at the
+    chunk's start; state [Hk, dk, dv] advances to its end in place."""
+    u = p["u0"] - p["w"] @ state
+    o = p["qtil"] @ state + p["qm"] @ u
+    state[...] = p["decay"][:, :, None] * state + np.swapaxes(p["khat"], 1, 2) @ u
+    return o

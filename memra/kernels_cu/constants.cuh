@@ -52,6 +52,12 @@
 #ifndef KDA_CONV_SPAN
 #define KDA_CONV_SPAN 64
 #endif
+#ifndef KDA_CHUNK
+#define KDA_CHUNK 16
+#endif
+#ifndef KDA_CHUNK_MAX_DK
+#define KDA_CHUNK_MAX_DK 128
+#endif
 #ifndef ATT_POS
 #define ATT_POS 32
 #endif

@@ -38,6 +38,10 @@ KDA_MAX_CONV = 16   # conv taps held in registers
 KDA_MAX_DK = 256    # key dim: each lane holds KDA_MAX_DK / 32 state entries
 KDA_CONV_SPAN = 64  # a prompt's short_conv rows per thread (short_conv_spans)
 
+# kda_chunks.cu: a prompt's chunked delta-rule scan (prime class)
+KDA_CHUNK = 16          # rows per chunk: the in-chunk solve is KDA_CHUNK x KDA_CHUNK
+KDA_CHUNK_MAX_DK = 128  # key dim of the chunked scan: a scan block's warps hold 32 keys each
+
 # mla.cu
 ATT_POS = 32        # positions per mla_scores block (one per lane)
 MIX_HEADS = 8       # heads per mla_mix block (one per warp in the combine)
@@ -63,6 +67,8 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "KDA_MAX_CONV": KDA_MAX_CONV,
     "KDA_MAX_DK": KDA_MAX_DK,
     "KDA_CONV_SPAN": KDA_CONV_SPAN,
+    "KDA_CHUNK": KDA_CHUNK,
+    "KDA_CHUNK_MAX_DK": KDA_CHUNK_MAX_DK,
     "ATT_POS": ATT_POS,
     "MIX_HEADS": MIX_HEADS,
     "MIX_CHANNELS": MIX_CHANNELS,

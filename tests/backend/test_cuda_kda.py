@@ -142,10 +142,12 @@ def _launch_recurrence(name, rows, state, dv):
 
 @pytest.mark.parametrize("dk, dv", [(128, 128), (40, 24)])
 def test_every_recurrence_kernel_does_the_same_arithmetic(dk, dv):
-    """dk <= 128 takes kda_recurrence_s4 (fewer registers) and a prompt's rows the _decayed
-    kernel (exp(g) made once per element by kda_decay): the kernel for KDA_MAX_DK with idle slots
-    and exp(g) inline gives the same bytes, outputs and state, over a prompt's 40 rows."""
-    rows, shared = _kda_recurrence(2, dk, dv)[0](np.random.default_rng(dk), 40)
+    """dk <= 128 takes kda_recurrence_s4 (fewer registers): the kernel for KDA_MAX_DK with idle
+    slots gives the same bytes, outputs and state, over a verify walk's VERIFY_CAP rows (a longer
+    prompt takes the chunked scan: test_cuda_kda_chunks.py)."""
+    from memra.limits import VERIFY_CAP
+
+    rows, shared = _kda_recurrence(2, dk, dv)[0](np.random.default_rng(dk), VERIFY_CAP)
     want = _launch_recurrence("kda_recurrence", rows, shared["state"], dv)
     assert not np.array_equal(want[1], shared["state"])  # the state moved
     state = cp.asarray(shared["state"])

@@ -9,7 +9,8 @@ run as cuBLAS GEMMs, accurate rather than row invariant (DESIGN.md section 2). T
 * the pieces add back to the activations bit for bit (identity weight);
 * a whole prompt primed in one prime-class walk ends in logits within PRIME_LOGITS of the same
   prompt primed through the exact class (walks of at most VERIFY_CAP rows), and a perturbed
-  weight on the prime side alone is caught.
+  weight on the prime side alone is caught, and so is a broken chunked KDA scan (the prompt's
+  KDA layers take it: test_cuda_kda_chunks.py).
 The routed experts, router and attention of a prompt are checked against numpy in the family
 tables (test_cuda_moe.py, test_cuda_mla.py: the `_prime` cases).
 """
@@ -131,4 +132,15 @@ def test_red_arm_a_perturbed_prime_projection_is_caught(small_bf16, monkeypatch)
         return y * cp.where(cp.arange(y.shape[1]) % 2 == 0, cp.float32(1.002), cp.float32(0.998))
 
     monkeypatch.setattr("memra.backend.cuda.dense.prime_linear", perturbed)
+    assert _prime_vs_exact(small_bf16, prompt) > PRIME_LOGITS
+
+
+def test_red_arm_a_broken_chunked_kda_scan_is_caught(small_bf16, monkeypatch):
+    """The prompt's KDA layers run the chunked scan (kda_chunks.py): with each chunk's decay
+    taken as 1 on the prime side alone, the logits leave the bound."""
+    from memra.backend.cuda import kda_chunks
+    from tests.backend.test_cuda_kda_chunks import _mutated
+
+    prompt = np.random.default_rng(9).integers(0, small_bf16.cfg.vocab_size, 70)
+    monkeypatch.setattr(kda_chunks, "launch", _mutated("decay_ignored"))
     assert _prime_vs_exact(small_bf16, prompt) > PRIME_LOGITS

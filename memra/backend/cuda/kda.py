@@ -13,9 +13,10 @@ import numpy as np
 
 import cupy as cp
 
+from memra.backend.cuda.kda_chunks import prime_kda
 from memra.backend.cuda.prime import is_prime
-from memra.backend.cuda.runtime import BLOCK, MAX_GRID, blocks_of, check, device_input, f32, grid_1d, i32, launch
-from memra.kernels_cu.constants import KDA_CONV_SPAN, KDA_MAX_CONV, KDA_MAX_DK, WARPS_PER_BLOCK
+from memra.backend.cuda.runtime import BLOCK, blocks_of, check, device_input, f32, grid_1d, i32, launch
+from memra.kernels_cu.constants import KDA_CHUNK_MAX_DK, KDA_CONV_SPAN, KDA_MAX_CONV, KDA_MAX_DK, WARPS_PER_BLOCK
 
 
 def _rows(rows, t: int, shape: tuple, what: str):
@@ -66,7 +67,8 @@ class KdaOps:
     def kda_recurrence(self, q, k, v, g, beta, state, rows=None):
         """Delta rule over the rows in order; state [Hk, dk, dv] float32 advances in place;
         returns o [t, Hk, dv]. Parallel over (head, value column), never over rows. rows: the
-        state after each row but the last (see _rows)."""
+        state after each row but the last (see _rows). A prompt (prime class, no snapshots)
+        takes the chunked scan instead (kda_chunks.py)."""
         q, k, v = device_input(q, "q"), device_input(k, "k"), device_input(v, "v")
         g, beta = device_input(g, "g"), device_input(beta, "beta")
         check(state, cp.float32, "state")
@@ -76,14 +78,12 @@ class KdaOps:
             f"kda_recurrence: q {q.shape} k {k.shape} v {v.shape} g {g.shape} beta {beta.shape}")
         assert state.shape == (hk, dk, dv), f"kda_recurrence: state {state.shape}, expected {(hk, dk, dv)}"
         assert dk <= KDA_MAX_DK, f"kda_recurrence: dk={dk}, at most {KDA_MAX_DK} (raise KDA_MAX_DK)"
+        if is_prime(t) and rows is None and dk <= KDA_CHUNK_MAX_DK:  # a prompt: the chunked scan
+            return prime_kda(q, k, v, g, beta, state)
         out = cp.empty((t, hk, dv), cp.float32)
         snap, stride = _rows(rows, t, (hk, dk, dv), "kda_recurrence")
         if t:
             name = "kda_recurrence_s4" if dk <= 128 else "kda_recurrence"  # registers for 4 or all slots
-            if is_prime(t):  # a prompt: exp(g) made once per element (the same expf, the same bits)
-                decay = cp.empty_like(g)
-                launch("kda", "kda_decay", (min(blocks_of(g.size), MAX_GRID),), (BLOCK,), (g, decay, np.int64(g.size)))
-                g, name = decay, name + "_decayed"
             launch("kda", name, (hk, (dv + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK), (BLOCK,),
                    (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv), snap, stride))
         return out

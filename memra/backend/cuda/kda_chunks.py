@@ -1,0 +1,49 @@
+"""A prompt's delta-rule scan in chunks (prime class; kernels_cu/kda_chunks.cu).
+
+A walk of more than VERIFY_CAP rows is a prefill (DESIGN.md section 2): accuracy, not row
+invariance. The row walk's t dependent steps per head become t / KDA_CHUNK: a prep launch builds
+each chunk's state-free pieces (the in-chunk solve) for all chunks at once, then a scan launch
+walks the chunks with the state in registers. Numpy twin: NumpyBackend.kda_chunks.
+
+    o = prime_kda(q, k, v, g, beta, state)   # float32 cupy; state [Hk, dk, dv] advances in place
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+
+from memra.backend.cuda.runtime import BLOCK, check, i32, launch
+from memra.kernels_cu.constants import KDA_CHUNK, KDA_CHUNK_MAX_DK
+
+SCRATCH_BYTES = 1 << 28  # the pieces one span of chunks may hold (a 4096-row bench prompt: 2 spans)
+TILE = 32                # value columns per scan block (kda_chunks.cu)
+
+
+def prime_kda(q, k, v, g, beta, state):
+    """kda_recurrence over t rows in chunks: q, k, g [t, Hk, dk], v [t, Hk, dv], beta [t, Hk],
+    C-contiguous float32; returns o [t, Hk, dv]. dk <= KDA_CHUNK_MAX_DK."""
+    for a, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta"), (state, "state")):
+        check(a, cp.float32, name)
+    t, hk, dk = q.shape
+    dv = v.shape[2]
+    assert k.shape == g.shape == (t, hk, dk) and v.shape == (t, hk, dv) and beta.shape == (t, hk), (
+        f"prime_kda: q {q.shape} k {k.shape} v {v.shape} g {g.shape} beta {beta.shape}")
+    assert state.shape == (hk, dk, dv), f"prime_kda: state {state.shape}, expected {(hk, dk, dv)}"
+    assert dk <= KDA_CHUNK_MAX_DK, f"prime_kda: dk={dk}, at most {KDA_CHUNK_MAX_DK} (raise KDA_CHUNK_MAX_DK)"
+    out = cp.empty((t, hk, dv), cp.float32)
+    chunks = -(-t // KDA_CHUNK)
+    if not chunks:
+        return out
+    per_chunk = 4 * hk * KDA_CHUNK * (3 * dk + dv + KDA_CHUNK + 1)  # bytes: w, qtil, khat; u0; qm; decay
+    span = max(1, min(chunks, SCRATCH_BYTES // per_chunk))
+    w, qtil, khat = (cp.empty((span, hk, KDA_CHUNK, dk), cp.float32) for _ in range(3))
+    u0 = cp.empty((span, hk, KDA_CHUNK, dv), cp.float32)
+    qm = cp.empty((span, hk, KDA_CHUNK, KDA_CHUNK), cp.float32)
+    decay = cp.empty((span, hk, dk), cp.float32)
+    for c0 in range(0, chunks, span):
+        nc, row0 = min(span, chunks - c0), c0 * KDA_CHUNK
+        launch("kda_chunks", "kda_chunk_prep", (nc, hk), (BLOCK,),
+               (q, k, v, g, beta, w, u0, qm, qtil, khat, decay, i32(row0), i32(t), i32(hk), i32(dk), i32(dv)))
+        launch("kda_chunks", "kda_chunk_scan", (-(-dv // TILE), hk), (KDA_CHUNK_MAX_DK,),
+               (w, u0, qm, qtil, khat, decay, state, out, i32(row0), i32(nc), i32(t), i32(hk), i32(dk), i32(dv)))
+    return out

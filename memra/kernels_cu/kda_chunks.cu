@@ -1,0 +1,215 @@
+// A prompt's delta-rule scan in chunks of KDA_CHUNK rows (prime class: accurate, not row
+// invariant). Semantics: NumpyBackend.kda_chunks, chunk_pieces, chunk_step (backend/numpy_kda.py).
+// Two launches per span of chunks (backend/cuda/kda_chunks.py):
+//  kda_chunk_prep, a block per (chunk, head): the pieces that do not depend on the state at the
+//    chunk's start (W, U0, Qm, Qtil, Khat, decay), every chunk at once;
+//  kda_chunk_scan, a block per (32 value columns, head): walks the chunks in order with its
+//    [dk, 32] slice of the state in registers; per chunk u = U0 - W S, o = Qtil S + Qm u,
+//    S = decay S + Khat^T u. The row walk's 16 dependent steps per chunk become one.
+// Pieces of a span, chunk ci (from the span's first), head h: w, qtil, khat [ci, h, C, dk];
+// u0 [ci, h, C, dv]; qm [ci, h, C, C] (lower triangle and diagonal); decay [ci, h, dk].
+// Rows past the prompt's end are zero rows with g = 0 and beta = 0, which leave S as it is.
+#include "common.cuh"
+
+static_assert(KDA_CHUNK_MAX_DK % 32 == 0 && KDA_CHUNK_MAX_DK <= MEMRA_BLOCK, "whole warps of keys");
+
+constexpr int CH = KDA_CHUNK;
+constexpr int MAX_DK = KDA_CHUNK_MAX_DK;
+constexpr int TILE = 32;                  // value columns per scan block: one per lane
+constexpr int SCAN_WARPS = MAX_DK / 32;   // a scan warp holds 32 keys of its lanes' columns
+
+static __device__ __forceinline__ float chunk_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// q, k, g [t, Hk, dk]; v [t, Hk, dv]; beta [t, Hk]. Grid (chunks of the span, Hk), MEMRA_BLOCK
+// threads. G (the chunk's cumulative g) is kept as hi + lo by two-sum, so a difference G_r - G_j
+// is accurate relative to itself, not to |G|; every exponent is <= 0.
+extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 2)
+kda_chunk_prep(const float* __restrict__ q, const float* __restrict__ k,
+                                          const float* __restrict__ v, const float* __restrict__ g,
+                                          const float* __restrict__ beta, float* __restrict__ w,
+                                          float* __restrict__ u0, float* __restrict__ qm,
+                                          float* __restrict__ qtil, float* __restrict__ khat,
+                                          float* __restrict__ decay, int row0, int t, int hk, int dk, int dv) {
+    __shared__ float sq[CH][MAX_DK], sk[CH][MAX_DK], hi[CH][MAX_DK], lo[CH][MAX_DK];
+    __shared__ float sb[CH], sa[CH][CH];
+    const int ci = blockIdx.x, h = blockIdx.y;
+    const int first = row0 + ci * CH, n = min(CH, t - first);
+    const long long piece = (long long)ci * hk + h;
+    auto at = [&](int r, int width) { return ((long long)(first + r) * hk + h) * width; };
+    for (int idx = threadIdx.x; idx < CH * dk; idx += blockDim.x) {
+        const int r = idx / dk, d = idx % dk;
+        sq[r][d] = r < n ? q[at(r, dk) + d] : 0.0f;
+        sk[r][d] = r < n ? k[at(r, dk) + d] : 0.0f;
+    }
+    if (threadIdx.x < CH) sb[threadIdx.x] = (int)threadIdx.x < n ? beta[at(threadIdx.x, 1)] : 0.0f;
+    for (int d = threadIdx.x; d < dk; d += blockDim.x) {
+        float acc = 0.0f, err = 0.0f;
+        for (int r = 0; r < CH; ++r) {
+            const float x = r < n ? g[at(r, dk) + d] : 0.0f;
+            const float total = acc + x, back = total - acc;
+            err = err + ((acc - (total - back)) + (x - back));
+            acc = total;
+            hi[r][d] = acc;
+            lo[r][d] = err;
+        }
+    }
+    __syncthreads();
+    // A and Qm: a warp per pair j <= r (p = r (r + 1) / 2 + j), lanes over the keys
+    const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    for (int p = threadIdx.x / 32; p < CH * (CH + 1) / 2; p += warps) {
+        int r = 0;
+        while ((r + 1) * (r + 2) / 2 <= p) ++r;
+        const int j = p - r * (r + 1) / 2;
+        float kk = 0.0f, qk = 0.0f;
+        for (int d = lane; d < dk; d += 32) {
+            const float e = expf(fminf((hi[r][d] - hi[j][d]) + (lo[r][d] - lo[j][d]), 0.0f));
+            const float kj = sk[j][d] * e;
+            kk = fmaf(sk[r][d], kj, kk);
+            qk = fmaf(sq[r][d], kj, qk);
+        }
+        kk = chunk_warp_sum(kk);
+        qk = chunk_warp_sum(qk);
+        if (lane == 0) {
+            sa[r][j] = j < r ? sb[r] * kk : 0.0f;
+            qm[piece * CH * CH + r * CH + j] = qk;
+        }
+    }
+    for (int idx = threadIdx.x; idx < CH * CH; idx += blockDim.x)
+        if (idx % CH > idx / CH) qm[piece * CH * CH + idx] = 0.0f;
+    __syncthreads();
+    // W and U0 by forward substitution, a thread per column: X_r = beta_r B_r - sum_j<r A[r, j] X_j
+    for (int col = threadIdx.x; col < dk + dv; col += blockDim.x) {
+        const bool key = col < dk;
+        float x[CH];
+#pragma unroll
+        for (int r = 0; r < CH; ++r) {
+            float b;
+            if (key) b = expf(hi[r][col]) * (1.0f + lo[r][col]) * sk[r][col];
+            else b = r < n ? v[at(r, dv) + (col - dk)] : 0.0f;
+            float acc = sb[r] * b;
+#pragma unroll
+            for (int j = 0; j < r; ++j) acc = fmaf(-sa[r][j], x[j], acc);
+            x[r] = acc;
+        }
+#pragma unroll
+        for (int r = 0; r < CH; ++r) {
+            if (key) w[(piece * CH + r) * dk + col] = x[r];
+            else u0[(piece * CH + r) * dv + (col - dk)] = x[r];
+        }
+    }
+    for (int idx = threadIdx.x; idx < CH * dk; idx += blockDim.x) {
+        const int r = idx / dk, d = idx % dk;
+        qtil[piece * CH * dk + idx] = expf(hi[r][d]) * (1.0f + lo[r][d]) * sq[r][d];
+        khat[piece * CH * dk + idx] =
+            expf(fminf((hi[CH - 1][d] - hi[r][d]) + (lo[CH - 1][d] - lo[r][d]), 0.0f)) * sk[r][d];
+    }
+    for (int d = threadIdx.x; d < dk; d += blockDim.x)
+        decay[piece * dk + d] = expf(hi[CH - 1][d]) * (1.0f + lo[CH - 1][d]);
+}
+
+// state [Hk, dk, dv] advances in place over the span's nc chunks; out [t, Hk, dv]. Grid
+// (ceil(dv / 32), Hk), MAX_DK threads: lane = value column, warp = 32 keys, so S stays in
+// registers and W S0, Qtil S0 are warp-partial sums (shared W / Qtil rows broadcast as float4)
+// added over the warps in a fixed order.
+extern "C" __global__ void __launch_bounds__(KDA_CHUNK_MAX_DK)
+kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const float* __restrict__ qm,
+               const float* __restrict__ qtil, const float* __restrict__ khat, const float* __restrict__ decay,
+               float* __restrict__ state, float* __restrict__ out, int row0, int nc, int t, int hk,
+               int dk, int dv) {
+    __shared__ __align__(16) float wq[2 * CH * MAX_DK];  // W rows, Qtil rows; then the warps' partial sums
+    __shared__ __align__(16) float kh[CH * MAX_DK];
+    __shared__ __align__(16) float sdecay[MAX_DK];
+    __shared__ float su[CH][TILE], sp[CH][TILE], sqm[CH][CH];
+    static_assert(SCAN_WARPS * 2 * CH * TILE <= 2 * CH * MAX_DK, "the partial sums fit where W, Qtil were");
+    const int h = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int c0 = blockIdx.x * TILE, c = c0 + lane, d0 = warp * 32;
+    const bool keys = d0 < dk;  // warp-uniform
+    float* sh = state + (long long)h * dk * dv;
+    float s[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = c < dv && d0 + i < dk ? sh[(long long)(d0 + i) * dv + c] : 0.0f;
+    for (int ci = 0; ci < nc; ++ci) {
+        const long long piece = (long long)ci * hk + h;
+        __syncthreads();  // the previous chunk is done with the shared pieces
+        for (int idx = threadIdx.x; idx < CH * MAX_DK; idx += blockDim.x) {
+            const int r = idx / MAX_DK, d = idx % MAX_DK;
+            const long long src = (piece * CH + r) * dk + d;
+            wq[idx] = d < dk ? w[src] : 0.0f;
+            wq[CH * MAX_DK + idx] = d < dk ? qtil[src] : 0.0f;
+            kh[idx] = d < dk ? khat[src] : 0.0f;
+        }
+        for (int idx = threadIdx.x; idx < CH * TILE; idx += blockDim.x) {
+            const int r = idx / TILE, col = idx % TILE;
+            su[r][col] = c0 + col < dv ? u0[(piece * CH + r) * dv + c0 + col] : 0.0f;
+        }
+        for (int idx = threadIdx.x; idx < CH * CH; idx += blockDim.x) sqm[idx / CH][idx % CH] = qm[piece * CH * CH + idx];
+        for (int d = threadIdx.x; d < MAX_DK; d += blockDim.x) sdecay[d] = d < dk ? decay[piece * dk + d] : 0.0f;
+        __syncthreads();
+        // rows 0 .. CH-1: (W S0)[r, c]; rows CH .. 2CH-1: (Qtil S0)[r - CH, c], over this warp's keys
+        float acc[2 * CH];
+#pragma unroll
+        for (int r = 0; r < 2 * CH; ++r) acc[r] = 0.0f;
+        if (keys) {
+#pragma unroll
+            for (int i = 0; i < 32; i += 4) {
+#pragma unroll
+                for (int r = 0; r < 2 * CH; ++r) {
+                    const float4 a = *reinterpret_cast<const float4*>(&wq[r * MAX_DK + d0 + i]);
+                    acc[r] = fmaf(a.x, s[i], acc[r]);
+                    acc[r] = fmaf(a.y, s[i + 1], acc[r]);
+                    acc[r] = fmaf(a.z, s[i + 2], acc[r]);
+                    acc[r] = fmaf(a.w, s[i + 3], acc[r]);
+                }
+            }
+        }
+        __syncthreads();  // every warp has read W and Qtil: their space takes the partial sums
+#pragma unroll
+        for (int r = 0; r < 2 * CH; ++r) wq[(warp * 2 * CH + r) * TILE + lane] = acc[r];
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < 2 * CH * TILE; idx += blockDim.x) {
+            const int r = idx / TILE, col = idx % TILE;
+            float sum = 0.0f;
+            for (int ww = 0; ww < SCAN_WARPS; ++ww) sum += wq[(ww * 2 * CH + r) * TILE + col];
+            if (r < CH) su[r][col] = su[r][col] - sum;  // u = U0 - W S0
+            else sp[r - CH][col] = sum;                 // Qtil S0
+        }
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < CH * TILE; idx += blockDim.x) {
+            const int r = idx / TILE, col = idx % TILE, row = row0 + ci * CH + r;
+            if (row < t && c0 + col < dv) {
+                float o = sp[r][col];
+                for (int j = 0; j <= r; ++j) o = fmaf(sqm[r][j], su[j][col], o);
+                out[((long long)row * hk + h) * dv + c0 + col] = o;
+            }
+        }
+        if (keys) {  // S = decay S + Khat^T u on this thread's 32 keys of column c
+            float uc[CH];
+#pragma unroll
+            for (int j = 0; j < CH; ++j) uc[j] = su[j][lane];
+#pragma unroll
+            for (int i = 0; i < 32; i += 4) {
+                const float4 dc = *reinterpret_cast<const float4*>(&sdecay[d0 + i]);
+                float n0 = dc.x * s[i], n1 = dc.y * s[i + 1], n2 = dc.z * s[i + 2], n3 = dc.w * s[i + 3];
+#pragma unroll
+                for (int j = 0; j < CH; ++j) {
+                    const float4 kv = *reinterpret_cast<const float4*>(&kh[j * MAX_DK + d0 + i]);
+                    n0 = fmaf(kv.x, uc[j], n0);
+                    n1 = fmaf(kv.y, uc[j], n1);
+                    n2 = fmaf(kv.z, uc[j], n2);
+                    n3 = fmaf(kv.w, uc[j], n3);
+                }
+                s[i] = n0;
+                s[i + 1] = n1;
+                s[i + 2] = n2;
+                s[i + 3] = n3;
+            }
+        }
+    }
+    if (c >= dv) return;
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+        if (d0 + i < dk) sh[(long long)(d0 + i) * dv + c] = s[i];
+}

@@ -7,6 +7,7 @@ run as cuBLAS GEMMs, accurate rather than row invariant (DESIGN.md section 2). T
   against a float64 reference stays under PRIME_REL of the outputs' RMS, and the red arms (the
   lo piece dropped, mid and lo dropped) break that bound on the same inputs;
 * the pieces add back to the activations bit for bit (identity weight);
+* a per-head projection (the MLA's W_UK, W_UV) runs batched over the heads within PRIME_REL;
 * the attention (scores, masked softmax, mix as six-product bf16 GEMMs, backend/pieces.py) at
   bench widths stays within ATTEND_REL of a float64 reference, and dropping any one 2^-16
   product breaks that bound (the CPU twin of the gate: test_prime_pieces.py);
@@ -81,6 +82,16 @@ def test_gathered_pieces_read_the_named_rows():
     x = cp.asarray(normal(np.random.default_rng(6), (20, 64)))
     rows = cp.asarray(np.array([19, 0, 7, 7], np.int64))
     assert cp.array_equal(prime.pieces(x, rows), prime.pieces(x)[rows])
+
+
+def test_prime_head_projection_is_float32_accurate():
+    """Bench's W_UK shape, 64 heads of 256 -> 512, on 40 rows: cuBLAS batched over the heads."""
+    rng = np.random.default_rng(10)
+    x = normal(rng, (40, 64, 256))
+    w = f32_to_bf16(normal(rng, (64, 512, 256), 256 ** -0.5))
+    want = np.einsum("thi,hoi->tho", x.astype(np.float64), bf16_to_f32(w).astype(np.float64))
+    got = DenseOps().head_linear(cp.asarray(x), cp.asarray(w))
+    assert got.shape == (40, 64, 512) and _rel_error(got, want) <= PRIME_REL
 
 
 @pytest.fixture(scope="module")

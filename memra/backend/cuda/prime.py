@@ -109,6 +109,28 @@ def prime_linear(x, w):
     return gemm_pieces(pieces(x), w)
 
 
+def prime_head_linear(x, w):
+    """y[r, h] = w[h] @ x[r, h] for prime-class rows; x [t, H, in] float32, w [H, out, in] float32
+    or bf16 bits: one GEMM batched over the heads (bf16: per piece of x, smallest first)."""
+    check(x, cp.float32, "x")
+    (t, heads, n_in), n_out = x.shape, w.shape[1]
+    if w.dtype == cp.float32:
+        return cp.ascontiguousarray(cp.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2))
+    out = cp.zeros((t, heads, n_out), cp.float32)
+    if not (t and heads and n_out and n_in):
+        return out
+    xp, handle = pieces(x.reshape(t * heads, n_in)), _handle()  # [t, H, 3, in]
+    for i, piece in enumerate(reversed(range(PIECES))):
+        # column-major per head: out_h^T [out, t] (+)= w_h [out, in] x_h^T [in, t]
+        cublas.gemmStridedBatchedEx(
+            handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, t, n_in, _ONE.ctypes.data,
+            w.data.ptr, R_16BF, n_in, n_out * n_in,
+            xp.data.ptr + 2 * piece * n_in, R_16BF, heads * PIECES * n_in, PIECES * n_in,
+            (_ONE if i else _ZERO).ctypes.data, out.data.ptr, R_32F, heads * n_out, n_out,
+            heads, COMPUTE_32F, GEMM_DEFAULT)
+    return out
+
+
 def prime_experts(x, idx, wts, gate_w, up_w, down_w, limit: float):
     """The routed experts of a prompt's rows -> [t, D], MOE_ROWS rows at a time (the hidden rows
     of t * k slots in three pieces: about 1.2 KB per slot and hidden unit)."""

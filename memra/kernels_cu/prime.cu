@@ -8,6 +8,7 @@
 //   expert_combine: the routed experts' output rows summed back per prompt row (moe_combine).
 //   piece_copies:   rows of x as chosen pieces at chosen strides: the operands of the prime
 //                   attention's six-product GEMMs (backend/pieces.py).
+//   row_sum_squares: each row's sum of squares into a column of the mHC partials.
 //   selection_mask: keep[i, c] = 1 where row i's position list names position c (c < ctx).
 //   masked_softmax_pieces: softmax over the kept columns of scale * s[i, h, :ctx] (others 0),
 //                   written as the chosen pieces of the probabilities.
@@ -93,6 +94,17 @@ extern "C" __global__ void piece_copies(const float* x, unsigned short* out, lon
     for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < m * d;
          e += (long long)gridDim.x * blockDim.x)
         put_piece_copies(x[e], out + (e / d) * row_stride + e % d, copies, map, copy_stride);
+}
+
+// grid (rows), block MEMRA_BLOCK: out[r * stride + at] = sum over x[r, :n] of x^2 (one pass
+// over the streams, no squared copy).
+extern "C" __global__ void row_sum_squares(const float* x, float* out, long long n, int stride, int at) {
+    __shared__ float shm[MEMRA_BLOCK];
+    const float* row = x + (long long)blockIdx.x * n;
+    float acc = 0.0f;
+    for (long long j = threadIdx.x; j < n; j += MEMRA_BLOCK) acc = acc + row[j] * row[j];
+    acc = block_sum(acc, shm);
+    if (threadIdx.x == 0) out[(long long)blockIdx.x * stride + at] = acc;
 }
 
 // grid-stride over rows * W list entries; keep [rows, ctx] arrives zeroed.

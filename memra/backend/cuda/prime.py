@@ -177,16 +177,20 @@ def _experts(x, idx, wts, gate_w, up_w, down_w, limit: float):
 
 def prime_hc_partials(streams, fn):
     """hc_weights' partials [t, 1, outs + 1] as one chunk: each flattened row's dots with the
-    outs rows of fn, then its sum of squares. The dots run as HC_SPLITS slices of the flattened
-    axis, batched, then summed: one GEMM of few outputs and a long axis fills few blocks."""
+    outs rows of fn, then its sum of squares (one kernel pass). The dots run as HC_SPLITS slices
+    of the flattened axis, batched, then summed: one GEMM of few outputs and a long axis fills few blocks."""
+    check(streams, cp.float32, "streams")
     t, outs = streams.shape[0], fn.shape[0]
     flat = streams.reshape(t, -1)
     splits = HC_SPLITS if flat.shape[1] % HC_SPLITS == 0 else 1
     a = flat.reshape(t, splits, -1).transpose(1, 0, 2)     # [S, t, nD / S]
     b = fn.reshape(outs, splits, -1).transpose(1, 2, 0)    # [S, nD / S, outs]
-    dots = cp.matmul(a, b).sum(axis=0)
-    squares = cp.sum(cp.square(flat), axis=1, keepdims=True)
-    return cp.ascontiguousarray(cp.concatenate([dots, squares], axis=1)[:, None, :])
+    out = cp.empty((t, 1, outs + 1), cp.float32)
+    out[:, 0, :outs] = cp.matmul(a, b).sum(axis=0)
+    if t:
+        launch("prime", "row_sum_squares", (t,), (BLOCK,),
+               (flat, out, np.int64(flat.shape[1]), i32(outs + 1), i32(outs)))
+    return out
 
 
 def prime_pool_scores(q, w, pool_keys, scale: float):

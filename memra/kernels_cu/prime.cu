@@ -6,19 +6,43 @@
 //                   products; `rows` gathers (the routed experts' slots), null takes row i.
 //   swiglu_pieces:  the routed experts' hidden rows, as pieces, from their gate and up rows.
 //   expert_combine: the routed experts' output rows summed back per prompt row (moe_combine).
+//   piece_copies:   rows of x as chosen pieces at chosen strides: the operands of the prime
+//                   attention's six-product GEMMs (backend/pieces.py).
+//   row_sum_squares: each row's sum of squares into a column of the mHC partials.
 //   selection_mask: keep[i, c] = 1 where row i's position list names position c (c < ctx).
-//   masked_softmax: s[i, h, :ctx] = softmax over the kept columns of scale * s (others 0).
+//   masked_softmax_pieces: softmax over the kept columns of scale * s[i, h, :ctx] (others 0),
+//                   written as the chosen pieces of the probabilities.
 #include "common.cuh"
 
-// The three bf16 pieces of a into p[0], p[d], p[2d] (a row's pieces sit side by side: [m, 3, d]),
-// each the truncation of what the previous ones left (exact_mma.cuh's split).
-static __device__ __forceinline__ void put_pieces(float a, unsigned short* p, int d) {
+// The three bf16 pieces of a (hi, mid, lo), each the truncation of what the previous ones left
+// (exact_mma.cuh's split): a == hi + mid + lo exactly.
+static __device__ __forceinline__ void split_pieces(float a, unsigned short piece[3]) {
     const unsigned hi = __float_as_uint(a) & 0xffff0000u;
     const float rest = a - __uint_as_float(hi);
     const unsigned mid = __float_as_uint(rest) & 0xffff0000u;
-    p[0] = (unsigned short)(hi >> 16);
-    p[d] = (unsigned short)(mid >> 16);
-    p[2 * d] = (unsigned short)(__float_as_uint(rest - __uint_as_float(mid)) >> 16);
+    piece[0] = (unsigned short)(hi >> 16);
+    piece[1] = (unsigned short)(mid >> 16);
+    piece[2] = (unsigned short)(__float_as_uint(rest - __uint_as_float(mid)) >> 16);
+}
+
+// The pieces of a into p[0], p[d], p[2d] (a row's pieces side by side: [m, 3, d]).
+static __device__ __forceinline__ void put_pieces(float a, unsigned short* p, int d) {
+    unsigned short piece[3];
+    split_pieces(a, piece);
+    p[0] = piece[0];
+    p[d] = piece[1];
+    p[2 * d] = piece[2];
+}
+
+// Copy s < copies of a's pieces to p[s * stride]: piece (map >> 2s) & 3 (pieces.py's piece_map).
+static __device__ __forceinline__ void put_piece_copies(float a, unsigned short* p, int copies, int map,
+                                                        long long stride) {
+    unsigned short piece[3];
+    split_pieces(a, piece);
+    for (int s = 0; s < copies; ++s) {
+        const int k = (map >> (2 * s)) & 3;  // selects, not an indexed local array (no stack)
+        p[s * stride] = k == 0 ? piece[0] : (k == 1 ? piece[1] : piece[2]);
+    }
 }
 
 // A float32 value from its three pieces' GEMM rows p[0] (hi), p[d] (mid), p[2d] (lo): the
@@ -64,6 +88,25 @@ extern "C" __global__ void expert_combine(const float* down, const long long* at
     }
 }
 
+// out[i * row_stride + s * copy_stride + c] = copy s of x[i, c]'s pieces (put_piece_copies).
+extern "C" __global__ void piece_copies(const float* x, unsigned short* out, long long m, int d, int copies,
+                                        int map, long long row_stride, long long copy_stride) {
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < m * d;
+         e += (long long)gridDim.x * blockDim.x)
+        put_piece_copies(x[e], out + (e / d) * row_stride + e % d, copies, map, copy_stride);
+}
+
+// grid (rows), block MEMRA_BLOCK: out[r * stride + at] = sum over x[r, :n] of x^2 (one pass
+// over the streams, no squared copy).
+extern "C" __global__ void row_sum_squares(const float* x, float* out, long long n, int stride, int at) {
+    __shared__ float shm[MEMRA_BLOCK];
+    const float* row = x + (long long)blockIdx.x * n;
+    float acc = 0.0f;
+    for (long long j = threadIdx.x; j < n; j += MEMRA_BLOCK) acc = acc + row[j] * row[j];
+    acc = block_sum(acc, shm);
+    if (threadIdx.x == 0) out[(long long)blockIdx.x * stride + at] = acc;
+}
+
 // grid-stride over rows * W list entries; keep [rows, ctx] arrives zeroed.
 extern "C" __global__ void selection_mask(const int* positions, unsigned char* keep, int rows, int W,
                                           int ctx) {
@@ -75,12 +118,14 @@ extern "C" __global__ void selection_mask(const int* positions, unsigned char* k
     }
 }
 
-// grid (rows * H), block MEMRA_BLOCK: one (row, head) of scores [rows, H, ctx] in place.
-extern "C" __global__ void masked_softmax(float* s, const unsigned char* keep, int H, int ctx,
-                                          float scale) {
+// grid (rows * H), block MEMRA_BLOCK: one (row, head) of scores [rows, H, ctx], its exponentials
+// kept in place; out [rows * H, 3, ctx] gets the probabilities' pieces in `map`'s order.
+extern "C" __global__ void masked_softmax_pieces(float* s, const unsigned char* keep, unsigned short* out,
+                                                 int H, int ctx, float scale, int map) {
     __shared__ float shm[MEMRA_BLOCK];
     const unsigned char* kp = keep + (long long)(blockIdx.x / H) * ctx;
     float* row = s + (long long)blockIdx.x * ctx;
+    unsigned short* probs = out + (long long)blockIdx.x * 3 * ctx;
     float mx = neg_inf();
     for (int j = threadIdx.x; j < ctx; j += MEMRA_BLOCK)
         if (kp[j]) mx = fmaxf(mx, row[j] * scale);
@@ -93,5 +138,6 @@ extern "C" __global__ void masked_softmax(float* s, const unsigned char* keep, i
     }
     sum = block_sum(sum, shm);
     // a row that lists no position (never one of a prompt: it sees itself) attends nothing
-    for (int j = threadIdx.x; j < ctx; j += MEMRA_BLOCK) row[j] = sum > 0.0f ? row[j] / sum : 0.0f;
+    for (int j = threadIdx.x; j < ctx; j += MEMRA_BLOCK)
+        put_piece_copies(sum > 0.0f ? row[j] / sum : 0.0f, probs + j, 3, map, ctx);
 }

@@ -69,3 +69,34 @@ def mismatched_rows(full: tuple, alone: list[tuple]) -> list[tuple[int, int]]:
             if a[r].tobytes() != b[0].tobytes():
                 bad.append((r, i))
     return bad
+
+
+def attend_case(rng, t, h, rank, ctx, skip=0.3):
+    """A prompt's absorbed attention at rows ctx - t .. ctx - 1: q_lat [t, h, rank] (half the
+    rows leaning on a latent row, so some softmaxes are peaky), latent [ctx, rank] with per-channel
+    gains (an RMSNorm's output), ascending position lists that skip a `skip` share of the earlier
+    positions (row r always lists itself), -1 padded; the last row lists nothing."""
+    latent = (rng.standard_normal((ctx, rank)) * rng.uniform(0.5, 2.0, rank)).astype(F32)
+    q = rng.standard_normal((t, h, rank)) * 1.5
+    q[: t // 2] += 0.6 * latent[rng.integers(0, ctx, (t // 2, h))]
+    positions = np.full((t, ctx), -1, np.int32)
+    for r in range(t - 1):
+        at = ctx - t + r
+        listed = np.flatnonzero(np.append(rng.random(at) >= skip, True))
+        positions[r, : listed.size] = listed
+    return q.astype(F32), latent, positions
+
+
+def attend_reference(q, latent, positions, scale):
+    """float64 absorbed attention: softmax over each row's listed positions of scale q . c_j,
+    then sum_j p_j c_j; a row listing nothing gives zeros."""
+    t, h, _ = q.shape
+    out = np.zeros(q.shape, np.float64)
+    for r in range(t):
+        listed = positions[r][positions[r] >= 0]
+        if listed.size:
+            c = latent[listed].astype(np.float64)
+            z = q[r].astype(np.float64) @ c.T * scale
+            p = np.exp(z - z.max(axis=1, keepdims=True))
+            out[r] = (p / p.sum(axis=1, keepdims=True)) @ c
+    return out

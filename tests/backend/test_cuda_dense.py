@@ -124,8 +124,8 @@ def _case(name):
 
 @pytest.mark.parametrize("name", ["linear_long_in", "linear_bf16_odd", "linear_bf16_wide_odd", "head_linear_bf16"])
 def test_prime_class_projection_stays_accurate(name):
-    """t > VERIFY_CAP (a prompt): cuBLAS for `linear` (test_cuda_prime.py), several weight passes
-    of the exact tiles for `head_linear`; accuracy is the contract, not row invariance."""
+    """t > VERIFY_CAP (a prompt): cuBLAS for `linear` and, batched over the heads, `head_linear`
+    (test_cuda_prime.py); accuracy is the contract, not row invariance."""
     assert_matches_numpy(DenseOps(), _case(name), 37)
 
 

@@ -7,6 +7,10 @@ run as cuBLAS GEMMs, accurate rather than row invariant (DESIGN.md section 2). T
   against a float64 reference stays under PRIME_REL of the outputs' RMS, and the red arms (the
   lo piece dropped, mid and lo dropped) break that bound on the same inputs;
 * the pieces add back to the activations bit for bit (identity weight);
+* a per-head projection (the MLA's W_UK, W_UV) runs batched over the heads within PRIME_REL;
+* the attention (scores, masked softmax, mix as six-product bf16 GEMMs, backend/pieces.py) at
+  bench widths stays within ATTEND_REL of a float64 reference, and dropping any one 2^-16
+  product breaks that bound (the CPU twin of the gate: test_prime_pieces.py);
 * a whole prompt primed in one prime-class walk ends in logits within PRIME_LOGITS of the same
   prompt primed through the exact class (walks of at most VERIFY_CAP rows), and a perturbed
   weight on the prime side alone is caught, and so is a broken chunked KDA scan (the prompt's
@@ -30,7 +34,8 @@ from memra.backend.cuda import prime  # noqa: E402
 from memra.backend.cuda.dense import DenseOps  # noqa: E402
 from memra.limits import VERIFY_CAP  # noqa: E402
 from memra.safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: E402
-from tests.backend.inputs import normal  # noqa: E402
+from tests.backend.inputs import attend_case, attend_reference, normal  # noqa: E402
+from tests.backend.test_prime_pieces import ATTEND_REL, SCALE, without  # noqa: E402
 
 PRIME_REL = 4e-6      # max |y - y64| / rms(y64): float32 products, float32 sums (~64 ulps)
 PRIME_LOGITS = 2e-4   # max |prime - exact| / max |exact| over the last row's logits
@@ -78,6 +83,45 @@ def test_gathered_pieces_read_the_named_rows():
     x = cp.asarray(normal(np.random.default_rng(6), (20, 64)))
     rows = cp.asarray(np.array([19, 0, 7, 7], np.int64))
     assert cp.array_equal(prime.pieces(x, rows), prime.pieces(x)[rows])
+
+
+def test_prime_head_projection_is_float32_accurate():
+    """Bench's W_UK shape, 64 heads of 256 -> 512, on 40 rows: cuBLAS batched over the heads."""
+    rng = np.random.default_rng(10)
+    x = normal(rng, (40, 64, 256))
+    w = f32_to_bf16(normal(rng, (64, 512, 256), 256 ** -0.5))
+    want = np.einsum("thi,hoi->tho", x.astype(np.float64), bf16_to_f32(w).astype(np.float64))
+    got = DenseOps().head_linear(cp.asarray(x), cp.asarray(w))
+    assert got.shape == (40, 64, 512) and _rel_error(got, want) <= PRIME_REL
+
+
+@pytest.fixture(scope="module")
+def bench_attention():
+    """40 rows ending a 2000-position context, 64 heads, rank 512, 30% of positions skipped."""
+    q, latent, positions = attend_case(np.random.default_rng(11), 40, 64, 512, 2000)
+    return q, latent, positions, attend_reference(q, latent, positions, SCALE)
+
+
+def _attend(q, latent, positions):
+    from memra.backend.cuda.mla import MlaOps
+
+    got = MlaOps().mla_attend(cp.asarray(q), cp.asarray(latent), cp.asarray(positions), SCALE)
+    return cp.asnumpy(got)
+
+
+def test_prime_attention_is_float32_accurate(bench_attention, monkeypatch):
+    q, latent, positions, want = bench_attention
+    monkeypatch.setattr(prime, "ATTEND_ROWS", 16)  # three chunks, each its own padded context
+    got = _attend(q, latent, positions)
+    assert not got[-1].any()  # the row listing nothing attends nothing
+    assert _rel_error(got, want) <= ATTEND_REL
+
+
+@pytest.mark.parametrize("product", [(2, 0), (1, 1), (0, 2)], ids=["lo_hi", "mid_mid", "hi_lo"])
+def test_red_arm_a_dropped_attention_product_breaks_the_bound(bench_attention, monkeypatch, product):
+    q, latent, positions, want = bench_attention
+    monkeypatch.setattr(prime, "SEGMENTS", without(product))
+    assert _rel_error(_attend(q, latent, positions), want) > ATTEND_REL
 
 
 def test_a_long_prompts_experts_go_in_row_chunks(monkeypatch):

@@ -23,7 +23,7 @@ import numpy as np
 import cupy as cp
 
 from memra.backend.cuda.fp8 import DeviceFp8
-from memra.backend.cuda.prime import is_prime, pieces, prime_linear
+from memra.backend.cuda.prime import is_prime, pieces, prime_head_linear, prime_linear
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, check, f32, i32, launch, position, weight_kind
 from memra.errors import InputError
 from memra.kernels_cu.constants import BF16_OUTS, OUTS_PER_WARP, SPLIT_KC, WARPS_PER_BLOCK
@@ -148,13 +148,16 @@ class DenseOps:
         return [prime_linear(x, w, shared) if is_bf16 else self.linear(x, w) for w, is_bf16 in zip(ws, bf16)]
 
     def head_linear(self, x, w):
-        """Per-head projection: y[r, h] = w[h] @ x[r, h]; x [t, H, in], w [H, out, in]."""
+        """Per-head projection: y[r, h] = w[h] @ x[r, h]; x [t, H, in], w [H, out, in]. More than
+        VERIFY_CAP rows (a prompt) go to cuBLAS, batched over the heads (prime.py)."""
         kind = weight_kind(w, "w")
         check(x, cp.float32, "x")
         heads, n_out, n_in = w.shape
         assert x.ndim == 3 and x.shape[1:] == (heads, n_in), \
             f"x: expected [t, {heads}, {n_in}], got {x.shape}"
         t = x.shape[0]
+        if is_prime(t):
+            return prime_head_linear(x, w)
         out = cp.empty((t, heads, n_out), cp.float32)
         if t and heads and n_out:
             suffix, blocks = projection(kind, t, n_out)

@@ -9,8 +9,11 @@ weight once per 16 rows and run at under 2% of the tensor cores' rate on a long 
 * a bf16 weight meets the three exact bf16 pieces of each float32 activation (x = hi + mid +
   lo, the split exact_mma.cuh makes) in three bf16 GEMMs accumulated in float32, so every
   product is a float32-exact one, as in the exact tiles; only the summation order differs;
-* a float32 weight (test fixtures) or float32 operands on both sides (router logits, attention
-  scores and mixes) run as float32 GEMMs (cupy.matmul: no TF32 unless CUPY_TF32 is set).
+* the attention's scores and mixes, float32 operands on both sides, run as bf16 GEMMs of the
+  six piece products of size at least 2^-16 (backend/pieces.py): float32-accurate, on tensor
+  cores;
+* a float32 weight (test fixtures) or the remaining float32 x float32 products (router logits,
+  pool scores, mHC partials) run as float32 GEMMs (cupy.matmul: no TF32 unless CUPY_TF32 is set).
 
     y = prime_linear(x, w_bf16)         # x [t, in] float32, t > VERIFY_CAP
 """
@@ -23,13 +26,16 @@ import cupy as cp
 from cupy_backends.cuda.libs import cublas
 
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, blocks_of, check, f32, i32, launch
+from memra.backend.pieces import LEFT_ORDER, PIECES, RIGHT_COPIES, SEGMENTS, piece_map
 from memra.limits import VERIFY_CAP
 
 R_16BF, R_32F = 14, 0                    # cudaDataType
 COMPUTE_32F, GEMM_DEFAULT = 68, -1       # cublasComputeType_t, cublasGemmAlgo_t
 POINTER_HOST = 0                         # cublasPointerMode_t: alpha and beta live on the host
-PIECES = 3                               # hi, mid, lo
-ATTEND_BYTES = 1 << 29                   # float32 scores one attention chunk may hold
+ATTEND_BYTES = 1 << 30                   # scores (float32) and probability pieces one attention chunk may hold
+ATTEND_ROWS = 256                        # rows per attention chunk at most: a chunk scores up to its last row's
+                                         # context, so short chunks waste little of the causal triangle
+ALIGN = 8                                # context padded to a multiple: 16-byte bf16 rows for the tensor cores
 HC_SPLITS = 16                           # slices of the mHC matvec's flattened axis
 MOE_ROWS = 4096                          # prompt rows per routed-experts pass
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
@@ -62,13 +68,22 @@ def _handle() -> int:
     return handle
 
 
+def _gemm_bf16(handle: int, m: int, n: int, k: int, left: int, ld_left: int, right: int, ld_right: int,
+               c: int, ldc: int, right_is_kn: bool = False, accumulate: bool = False) -> None:
+    """C [m, n] (+)= L [m, k] @ R.T for R [n, k], or L @ R for R [k, n] (right_is_kn); row-major
+    bf16 bits at addresses left, right with row strides ld_left, ld_right, C float32 at c with
+    row stride ldc (cuBLAS is column-major: C^T = op(R) L^T)."""
+    op_right = cublas.CUBLAS_OP_N if right_is_kn else cublas.CUBLAS_OP_T
+    cublas.gemmEx(handle, op_right, cublas.CUBLAS_OP_N, n, m, k, _ONE.ctypes.data, right, R_16BF, ld_right,
+                  left, R_16BF, ld_left, (_ONE if accumulate else _ZERO).ctypes.data, c, R_32F, ldc,
+                  COMPUTE_32F, GEMM_DEFAULT)
+
+
 def _gemm(handle: int, b: int, ldb: int, m: int, w, c: int, accumulate: bool = False) -> None:
     """C [m, n_out] (+)= B [m, n_in] @ w.T: B bf16 bits at address b with row stride ldb, w [n_out,
-    n_in] bf16 bits, C float32 at address c (row-major; column-major, that is C^T = w B^T)."""
+    n_in] bf16 bits, C float32 at address c."""
     n_out, n_in = w.shape
-    cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, m, n_in,
-                  _ONE.ctypes.data, w.data.ptr, R_16BF, n_in, b, R_16BF, ldb,
-                  (_ONE if accumulate else _ZERO).ctypes.data, c, R_32F, n_out, COMPUTE_32F, GEMM_DEFAULT)
+    _gemm_bf16(handle, m, n_out, n_in, b, ldb, w.data.ptr, n_in, c, n_out, accumulate=accumulate)
 
 
 def gemm_pieces(xp, w):
@@ -94,6 +109,28 @@ def prime_linear(x, w, xp=None):
     if w.dtype == cp.float32:
         return cp.ascontiguousarray(cp.matmul(x, w.T))
     return gemm_pieces(pieces(x) if xp is None else xp, w)
+
+
+def prime_head_linear(x, w):
+    """y[r, h] = w[h] @ x[r, h] for prime-class rows; x [t, H, in] float32, w [H, out, in] float32
+    or bf16 bits: one GEMM batched over the heads (bf16: per piece of x, smallest first)."""
+    check(x, cp.float32, "x")
+    (t, heads, n_in), n_out = x.shape, w.shape[1]
+    if w.dtype == cp.float32:
+        return cp.ascontiguousarray(cp.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2))
+    out = cp.zeros((t, heads, n_out), cp.float32)
+    if not (t and heads and n_out and n_in):
+        return out
+    xp, handle = pieces(x.reshape(t * heads, n_in)), _handle()  # [t, H, 3, in]
+    for i, piece in enumerate(reversed(range(PIECES))):
+        # column-major per head: out_h^T [out, t] (+)= w_h [out, in] x_h^T [in, t]
+        cublas.gemmStridedBatchedEx(
+            handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, t, n_in, _ONE.ctypes.data,
+            w.data.ptr, R_16BF, n_in, n_out * n_in,
+            xp.data.ptr + 2 * piece * n_in, R_16BF, heads * PIECES * n_in, PIECES * n_in,
+            (_ONE if i else _ZERO).ctypes.data, out.data.ptr, R_32F, heads * n_out, n_out,
+            heads, COMPUTE_32F, GEMM_DEFAULT)
+    return out
 
 
 def prime_experts(x, idx, wts, gate_w, up_w, down_w, limit: float):
@@ -142,16 +179,20 @@ def _experts(x, idx, wts, gate_w, up_w, down_w, limit: float):
 
 def prime_hc_partials(streams, fn):
     """hc_weights' partials [t, 1, outs + 1] as one chunk: each flattened row's dots with the
-    outs rows of fn, then its sum of squares. The dots run as HC_SPLITS slices of the flattened
-    axis, batched, then summed: one GEMM of few outputs and a long axis fills few blocks."""
+    outs rows of fn, then its sum of squares (one kernel pass). The dots run as HC_SPLITS slices
+    of the flattened axis, batched, then summed: one GEMM of few outputs and a long axis fills few blocks."""
+    check(streams, cp.float32, "streams")
     t, outs = streams.shape[0], fn.shape[0]
     flat = streams.reshape(t, -1)
     splits = HC_SPLITS if flat.shape[1] % HC_SPLITS == 0 else 1
     a = flat.reshape(t, splits, -1).transpose(1, 0, 2)     # [S, t, nD / S]
     b = fn.reshape(outs, splits, -1).transpose(1, 2, 0)    # [S, nD / S, outs]
-    dots = cp.matmul(a, b).sum(axis=0)
-    squares = cp.sum(cp.square(flat), axis=1, keepdims=True)
-    return cp.ascontiguousarray(cp.concatenate([dots, squares], axis=1)[:, None, :])
+    out = cp.empty((t, 1, outs + 1), cp.float32)
+    out[:, 0, :outs] = cp.matmul(a, b).sum(axis=0)
+    if t:
+        launch("prime", "row_sum_squares", (t,), (BLOCK,),
+               (flat, out, np.int64(flat.shape[1]), i32(outs + 1), i32(outs)))
+    return out
 
 
 def prime_pool_scores(q, w, pool_keys, scale: float):
@@ -169,23 +210,66 @@ def prime_pool_scores(q, w, pool_keys, scale: float):
     return out
 
 
+def put_piece_copies(x, out, order, row_stride: int, copy_stride: int) -> None:
+    """out (bf16 bits, flat) [i * row_stride + s * copy_stride + c] = piece order[s] of x [m, d]
+    [i, c]: a float32 operand laid out for the six-product GEMMs (backend/pieces.py)."""
+    check(x, cp.float32, "x")
+    check(out, cp.uint16, "out")
+    (m, d), copies = x.shape, len(order)
+    assert (m - 1) * row_stride + (copies - 1) * copy_stride + d <= out.size, f"out {out.shape} for x {x.shape}"
+    if m * d:
+        launch("prime", "piece_copies", (min(blocks_of(m * d), MAX_GRID),), (BLOCK,),
+               (x, out, np.int64(m), i32(d), i32(copies), i32(piece_map(order)), np.int64(row_stride),
+                np.int64(copy_stride)))
+
+
+def _six_products(handle: int, m: int, n: int, k: int, left, right, c: int, right_is_kn: bool) -> None:
+    """C [m, n] = the six piece products of L [m, k] and R (SEGMENTS, smallest first): left [m,
+    3k] the pieces in LEFT_ORDER; right the RIGHT_COPIES side by side ([n, 6k], its row stride
+    right.shape[1]) or stacked ([6k, n], right_is_kn)."""
+    for i, (at_left, at_right, length) in enumerate(SEGMENTS):
+        if right_is_kn:
+            r, ld_right = right.data.ptr + 2 * at_right * k * n, n
+        else:
+            r, ld_right = right.data.ptr + 2 * at_right * k, right.shape[1]
+        _gemm_bf16(handle, m, n, length * k, left.data.ptr + 2 * at_left * k, PIECES * k, r, ld_right,
+                   c, n, right_is_kn=right_is_kn, accumulate=i > 0)
+
+
+def _padded(ctx: int, limit: int) -> int:
+    """ctx rounded up to ALIGN, within the latent plane's `limit` rows."""
+    return min(-(-max(ctx, 1) // ALIGN) * ALIGN, limit)
+
+
 def prime_attend(q_lat, latent, positions, scale: float):
-    """Absorbed attention over each row's position list as dense float32 GEMMs: scores of every
-    row against the latent rows up to its chunk's last listed position, a masked softmax (the
-    unlisted positions weigh 0), then the mix. Rows go in chunks of at most ATTEND_BYTES of scores."""
+    """Absorbed attention over each row's position list on tensor cores: scores of every row
+    against the latent rows up to its chunk's last listed position, a masked softmax (unlisted
+    positions weigh 0), then the mix; both GEMMs sum the six piece products of their float32
+    operands. Rows go in chunks of at most ATTEND_ROWS, and ATTEND_BYTES of scores and pieces."""
     t, h, rank = q_lat.shape
-    width = positions.shape[1]
+    width, copies = positions.shape[1], len(RIGHT_COPIES)
     out = cp.empty((t, h, rank), cp.float32)
     ends = cp.asnumpy(positions.max(axis=1)) + 1  # the host's one wait: each row's last position
-    chunk = max(1, ATTEND_BYTES // (4 * h * max(int(ends.max()), 1)))
+    span = _padded(int(ends.max()), latent.shape[0])
+    chunk = max(1, min(ATTEND_ROWS, ATTEND_BYTES // ((4 + 2 * PIECES) * h * span)))
+    keys = cp.empty((span, copies * rank), cp.uint16)  # the scores' right operand, every chunk's
+    put_piece_copies(latent[:span], keys, RIGHT_COPIES, copies * rank, rank)
+    handle = _handle()
     for r0 in range(0, t, chunk):
         pos = positions[r0:r0 + chunk]
-        n, ctx = pos.shape[0], max(int(ends[r0:r0 + chunk].max()), 1)
+        n = pos.shape[0]
+        rows, ctx = n * h, _padded(int(ends[r0:r0 + chunk].max()), latent.shape[0])
         keep = cp.zeros((n, ctx), cp.uint8)
         launch("prime", "selection_mask", (min(blocks_of(n * width), MAX_GRID),), (BLOCK,),
                (pos, keep, i32(n), i32(width), i32(ctx)))
-        lat = latent[:ctx]
-        scores = cp.ascontiguousarray(cp.matmul(q_lat[r0:r0 + n].reshape(n * h, rank), lat.T))
-        launch("prime", "masked_softmax", (n * h,), (BLOCK,), (scores, keep, i32(h), i32(ctx), f32(scale)))
-        out[r0:r0 + n] = cp.matmul(scores, lat).reshape(n, h, rank)
+        left = cp.empty((rows, PIECES * rank), cp.uint16)
+        put_piece_copies(q_lat[r0:r0 + n].reshape(rows, rank), left, LEFT_ORDER, PIECES * rank, rank)
+        scores = cp.empty((rows, ctx), cp.float32)
+        _six_products(handle, rows, ctx, rank, left, keys, scores.data.ptr, right_is_kn=False)
+        probs = cp.empty((rows, PIECES * ctx), cp.uint16)
+        launch("prime", "masked_softmax_pieces", (rows,), (BLOCK,),
+               (scores, keep, probs, i32(h), i32(ctx), f32(scale), i32(piece_map(LEFT_ORDER))))
+        values = cp.empty((copies * ctx, rank), cp.uint16)  # the mix's right operand: stacked copies
+        put_piece_copies(latent[:ctx], values, RIGHT_COPIES, rank, ctx * rank)
+        _six_products(handle, rows, rank, ctx, probs, values, out.data.ptr + 4 * r0 * h * rank, right_is_kn=True)
     return out

@@ -29,7 +29,7 @@ SPLIT_KC = 2048   # in-features per split-K slice of a bf16 projection (a size, 
 FP8_BLOCK = 128   # FP8 weights: one scale per FP8_BLOCK x FP8_BLOCK block (the release's weight_block_size)
 
 # hyper.cu
-HC_MAX_N = 8                  # streams: C lives in a local array; hc_weights runs n^2 threads
+HC_MAX_N = 8                  # streams: hc_weights holds the n x n mix in a warp, n^2 / 32 a lane
 HC_CHUNK = MEMRA_BLOCK * 8    # flattened stream elements per hc_partials block
 HC_SLOTS = 4                  # fn dots (or the sum of squares) per hc_partials block
 

@@ -11,17 +11,37 @@ static __device__ __forceinline__ float hc_warp_sum(float v) {
     return v;
 }
 
-// Thread (a, b) of the n x n mixing matrix c (shared): c[a, b] /= (sum of its column + eps),
-// or of its row; every thread of a column (row) adds it in ascending order, the same bits.
-static __device__ void hc_normalise(float* c, int n, int a, int b, bool columns, float eps) {
-    float s = 0.0f;
-    if (a < n) {
-        s = columns ? c[b] : c[a * n];
-        for (int i = 1; i < n; ++i) s += columns ? c[i * n + b] : c[a * n + i];
+// hc_weights holds the n x n mixing matrix in one warp: lane l the entries e = l + 32 h, (a, b)
+// = (e / n, e % n). hc_entry(v, src, nn) is entry src to every lane (all lanes call it).
+constexpr int HC_LANE_ENTRIES = (HC_MAX_N * HC_MAX_N + 31) / 32;
+static __device__ __forceinline__ float hc_entry(const float* v, int src, int nn) {
+    float got = 0.0f;
+#pragma unroll
+    for (int h = 0; h < HC_LANE_ENTRIES; ++h) {
+        if (32 * h >= nn) break;  // uniform: nn is the block's n * n
+        const float x = __shfl_sync(0xffffffffu, v[h], src & 31);
+        if (src / 32 == h) got = x;
     }
-    __syncthreads();  // every sum is read before any entry changes
-    if (a < n) c[a * n + b] = c[a * n + b] / (s + eps);
-    __syncthreads();
+    return got;
+}
+
+// c[a, b] /= (sum of its column + eps), or of its row; the sum adds the column (row) in
+// ascending order, gathered by shuffles from the lanes that hold it.
+static __device__ void hc_normalise(float* v, int n, bool columns, float eps) {
+    const int lane = threadIdx.x % 32, nn = n * n;
+    float next[HC_LANE_ENTRIES];
+#pragma unroll
+    for (int h = 0; h < HC_LANE_ENTRIES; ++h) next[h] = v[h];
+#pragma unroll
+    for (int h = 0; h < HC_LANE_ENTRIES; ++h) {
+        if (32 * h >= nn) break;
+        const int e = lane + 32 * h, a = e / n, b = e % n;
+        float s = hc_entry(v, columns ? b : a * n, nn);
+        for (int i = 1; i < n; ++i) s += hc_entry(v, columns ? i * n + b : a * n + i, nn);
+        next[h] = v[h] / (s + eps);
+    }
+#pragma unroll
+    for (int h = 0; h < HC_LANE_ENTRIES; ++h) v[h] = next[h];
 }
 
 // Site weights in two launches, so the (2+n)n x nD matvec spreads over many blocks instead of
@@ -45,14 +65,22 @@ extern "C" __global__ void hc_partials(const float* __restrict__ streams, const 
     float xv[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) xv[e] = k0 + e < nd ? x[k0 + e] : 0.0f;
-    for (int j = j0; j < j1; ++j) {
+    float wv[HC_SLOTS][8];  // every slot's fn values load before the first sum waits on them
+#pragma unroll
+    for (int q = 0; q < HC_SLOTS; ++q) {
+        const int j = j0 + q;
         const float* w = j < outs ? fn + (long long)j * nd : nullptr;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) wv[q][e] = k0 + e < nd ? (w != nullptr ? w[k0 + e] : xv[e]) : 0.0f;
+    }
+#pragma unroll
+    for (int q = 0; q < HC_SLOTS; ++q) {
+        if (j0 + q >= j1) break;  // uniform
         float acc = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e)
-            acc += (k0 + e < nd ? (w != nullptr ? w[k0 + e] : xv[e]) : 0.0f) * xv[e];
+        for (int e = 0; e < 8; ++e) acc += wv[q][e] * xv[e];
         acc = hc_warp_sum(acc);
-        if (lane == 0) red[warp][j - j0] = acc;
+        if (lane == 0) red[warp][q] = acc;
     }
     __syncthreads();
     for (int j = j0 + threadIdx.x; j < j1; j += MEMRA_BLOCK) {
@@ -62,81 +90,101 @@ extern "C" __global__ void hc_partials(const float* __restrict__ streams, const 
     }
 }
 
-// grid (t), block HC_MAX_N^2: thread (a, b) = (tid / n, tid % n). base [(2+n)n]; scale [3].
-// Outputs pre [t, n], post [t, n], comb [t, n, n], in the reference's operation order.
+// grid (t), block 32: one warp per row, the mixing matrix in its registers (hc_entry). base
+// [(2+n)n]; scale [3]. Outputs pre [t, n], post [t, n], comb [t, n, n], in the reference's
+// operation order.
 extern "C" __global__ void hc_weights(const float* __restrict__ part, const float* __restrict__ base,
                                       const float* __restrict__ scale, float* __restrict__ pre,
                                       float* __restrict__ post, float* __restrict__ comb, int n,
                                       int d, int chunks, float rms_eps, float hc_eps, int iters) {
     __shared__ float m[HC_MAX_OUTS + 1];
-    __shared__ float c[HC_MAX_N * HC_MAX_N];
-    const int r = blockIdx.x, outs = (2 + n) * n, a = threadIdx.x / n, b = threadIdx.x % n;
+    const int r = blockIdx.x, outs = (2 + n) * n, lane = threadIdx.x, nn = n * n;
     const float* p = part + (long long)r * chunks * (outs + 1);
-    for (int j = threadIdx.x; j <= outs; j += blockDim.x) {
+    for (int j = lane; j <= outs; j += 32) {
         float sum = p[j];
         for (int k = 1; k < chunks; ++k) sum += p[(long long)k * (outs + 1) + j];
         m[j] = sum;
     }
-    __syncthreads();
+    __syncwarp();
     const float inv = 1.0f / sqrtf(m[outs] / (float)(n * d) + rms_eps);
-    if (threadIdx.x < n) {
-        const int i = threadIdx.x;
-        pre[r * n + i] = sigmoidf_stable(m[i] * inv * scale[0] + base[i]) + hc_eps;
-        post[r * n + i] = 2.0f * sigmoidf_stable(m[n + i] * inv * scale[1] + base[n + i]);
+    if (lane < n) {
+        pre[r * n + lane] = sigmoidf_stable(m[lane] * inv * scale[0] + base[lane]) + hc_eps;
+        post[r * n + lane] = 2.0f * sigmoidf_stable(m[n + lane] * inv * scale[1] + base[n + lane]);
     }
-    // c = row softmax of the logits + eps: each thread of row a walks the row in order
-    if (a < n) {
+    // c = row softmax of the logits + eps: each entry walks its row in order
+    float v[HC_LANE_ENTRIES];
+#pragma unroll
+    for (int h = 0; h < HC_LANE_ENTRIES; ++h) {
+        const int e = lane + 32 * h, a = e / n, b = e % n;
+        v[h] = 0.0f;
+        if (e >= nn) continue;
         const float* mc = m + 2 * n + a * n;
         const float* bc = base + 2 * n + a * n;
-        float mx = __int_as_float(0xff800000);  // -inf (no host math.h under NVRTC)
+        float mx = neg_inf();
         for (int i = 0; i < n; ++i) mx = fmaxf(mx, mc[i] * inv * scale[2] + bc[i]);
         float s = 0.0f;
         for (int i = 0; i < n; ++i) s += expf(mc[i] * inv * scale[2] + bc[i] - mx);
-        c[a * n + b] = expf(mc[b] * inv * scale[2] + bc[b] - mx) / s + hc_eps;
+        v[h] = expf(mc[b] * inv * scale[2] + bc[b] - mx) / s + hc_eps;
     }
-    __syncthreads();
-    hc_normalise(c, n, a, b, true, hc_eps);
+    hc_normalise(v, n, true, hc_eps);
     for (int it = 1; it < iters; ++it) {
-        hc_normalise(c, n, a, b, false, hc_eps);
-        hc_normalise(c, n, a, b, true, hc_eps);
+        hc_normalise(v, n, false, hc_eps);
+        hc_normalise(v, n, true, hc_eps);
     }
-    if (a < n) comb[(long long)r * n * n + a * n + b] = c[a * n + b];
+#pragma unroll
+    for (int h = 0; h < HC_LANE_ENTRIES; ++h)
+        if (lane + 32 * h < nn) comb[(long long)r * nn + lane + 32 * h] = v[h];
 }
 
-// out[r, k] = sum_i pre[r, i] X[r, i, k], streams accumulated 0..n-1. One thread per (r, k).
+// The per-channel kernels below: grid (ceil(D / block), min(t, 65535)), thread k of a row,
+// rows r = blockIdx.y, + gridDim.y, ... (no 64-bit division per element).
+
+// out[r, k] = sum_i pre[r, i] X[r, i, k], streams accumulated 0..n-1.
 extern "C" __global__ void hc_collapse(const float* __restrict__ streams, const float* __restrict__ pre,
                                        float* __restrict__ out, int t, int n, int d) {
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)t * d) return;
-    const long long r = idx / d, k = idx % d;
-    const float* x = streams + r * n * d + k;
-    float acc = pre[r * n] * x[0];
-    for (int i = 1; i < n; ++i) acc = acc + pre[r * n + i] * x[(long long)i * d];
-    out[idx] = acc;
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= d) return;
+    for (long long r = blockIdx.y; r < t; r += gridDim.y) {
+        const float* x = streams + r * n * d + k;
+        float acc = pre[r * n] * x[0];
+        for (int i = 1; i < n; ++i) acc = acc + pre[r * n + i] * x[(long long)i * d];
+        out[r * d + k] = acc;
+    }
 }
 
 // X'[r, b, k] = post[r, b] f[r, k] + sum_a C[r, a, b] X[r, a, k] (C transposed), a ascending.
+// A thread makes channel k of all n output streams from one read of its n inputs.
 extern "C" __global__ void hc_combine(const float* __restrict__ streams, const float* __restrict__ f,
                                       const float* __restrict__ post, const float* __restrict__ comb,
                                       float* __restrict__ out, int t, int n, int d) {
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)t * n * d) return;
-    const long long k = idx % d, b = (idx / d) % n, r = idx / ((long long)n * d);
-    const float* x = streams + r * n * d + k;
-    const float* c = comb + r * n * n + b;
-    float acc = c[0] * x[0];
-    for (int a = 1; a < n; ++a) acc = acc + c[a * n] * x[(long long)a * d];
-    out[idx] = post[r * n + b] * f[r * d + k] + acc;
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= d) return;
+    for (long long r = blockIdx.y; r < t; r += gridDim.y) {
+        const float* x = streams + r * n * d + k;
+        float xs[HC_MAX_N];
+#pragma unroll
+        for (int a = 0; a < HC_MAX_N; ++a) xs[a] = a < n ? x[(long long)a * d] : 0.0f;
+        const float fk = f[r * d + k];
+        for (int b = 0; b < n; ++b) {
+            const float* c = comb + r * n * n + b;
+            float acc = c[0] * xs[0];
+#pragma unroll
+            for (int a = 1; a < HC_MAX_N; ++a)
+                if (a < n) acc = acc + c[a * n] * xs[a];
+            out[(r * n + b) * d + k] = post[r * n + b] * fk + acc;
+        }
+    }
 }
 
 // Unweighted stream mean: sum in stream order, then one division by n (as the reference).
 extern "C" __global__ void stream_mean(const float* __restrict__ streams, float* __restrict__ out,
                                        int t, int n, int d) {
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)t * d) return;
-    const long long r = idx / d, k = idx % d;
-    const float* x = streams + r * n * d + k;
-    float acc = x[0];
-    for (int i = 1; i < n; ++i) acc = acc + x[(long long)i * d];
-    out[idx] = acc / (float)n;
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= d) return;
+    for (long long r = blockIdx.y; r < t; r += gridDim.y) {
+        const float* x = streams + r * n * d + k;
+        float acc = x[0];
+        for (int i = 1; i < n; ++i) acc = acc + x[(long long)i * d];
+        out[r * d + k] = acc / (float)n;
+    }
 }

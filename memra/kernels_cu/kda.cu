@@ -67,15 +67,52 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
     }
 }
 
+// The state moves between global memory and a block's shared tile of its WARPS_PER_BLOCK
+// adjacent columns, so global accesses are rows of adjacent columns (a warp reading its column
+// alone would touch a 32-byte sector per float). Column c's entry i sits at c * KDA_TILE_STRIDE
+// + i: a stride of 32 / WARPS_PER_BLOCK mod 32 banks spreads a warp's row-order reads over all
+// 32 banks, and a warp's own column is contiguous.
+static_assert(32 % WARPS_PER_BLOCK == 0, "kda tile: a warp's row pass covers whole rows");
+constexpr int KDA_TILE_STRIDE = KDA_MAX_DK + 32 / WARPS_PER_BLOCK;
+static __device__ __forceinline__ int tile_at(int c, int i) { return c * KDA_TILE_STRIDE + i; }
+
+// tile <- the block's columns 0..width-1 of the dk rows at src (row stride dv); every thread.
+static __device__ __forceinline__ void tile_from_rows(float* tile, const float* __restrict__ src,
+                                                      int dk, int dv, int width) {
+    for (int idx = threadIdx.x; idx < dk * WARPS_PER_BLOCK; idx += MEMRA_BLOCK) {
+        const int i = idx / WARPS_PER_BLOCK, c = idx % WARPS_PER_BLOCK;
+        if (c < width) tile[tile_at(c, i)] = src[i * dv + c];
+    }
+    __syncthreads();
+}
+
+// Each active warp's column s (lane l holds entry l + 32 m) -> the tile -> dst's dk rows of the
+// block's width columns (row stride dv). Every thread calls it: it holds two block barriers, the
+// second so the tile is read before anyone overwrites it.
+template <int SLOTS>
+static __device__ __forceinline__ void columns_to_rows(float* tile, const float* s, float* __restrict__ dst,
+                                                       int dk, int dv, int width, bool active) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int m = 0; m < SLOTS; ++m) {
+        const int i = lane + 32 * m;
+        if (active && i < dk) tile[tile_at(warp, i)] = s[m];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < dk * WARPS_PER_BLOCK; idx += MEMRA_BLOCK) {
+        const int i = idx / WARPS_PER_BLOCK, c = idx % WARPS_PER_BLOCK;
+        if (c < width) dst[i * dv + c] = tile[tile_at(c, i)];
+    }
+    __syncthreads();
+}
+
 // Delta rule over the t rows in order, per head h:
 //   S <- S * exp(g)[:, None];  S += k (x) beta (v - S^T k);  o = S^T q.
 // q, k, g [t, Hk, dk]; v [t, Hk, dv]; beta [t, Hk]; state [Hk, dk, dv] float32 in place;
 // out [t, Hk, dv]. Grid (Hk, ceil(dv / WARPS_PER_BLOCK)): one warp owns one value column j of S,
 // lane l holding S[l + 32 m, j]. Both dk-reductions: per lane ascending m, then the butterfly.
 // rows (may be null): S after row r < t - 1 is written at rows + r * row_stride ([Hk, dk, dv]),
-// so a rollback to the first r + 1 rows is a copy instead of a replay. A warp holds a column of
-// S, so the block's WARPS_PER_BLOCK columns go through shared memory and out as rows of adjacent
-// columns (a warp writing its column alone would touch a 32-byte sector per float).
+// so a rollback to the first r + 1 rows is a copy instead of a replay.
 // SLOTS: S entries each lane holds (ceil(dk / 32) rounded up to a kernel below); more slots
 // than dk needs only idle, so every instantiation does a given dk's arithmetic alike.
 template <int SLOTS, bool DECAYED>
@@ -84,19 +121,14 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
                                 const float* __restrict__ beta, float* __restrict__ state,
                                 float* __restrict__ out, int t, int hk, int dk, int dv,
                                 float* __restrict__ rows, long long row_stride) {
-    __shared__ float tile[WARPS_PER_BLOCK][KDA_MAX_DK + 1];
+    __shared__ float tile[WARPS_PER_BLOCK * KDA_TILE_STRIDE];
     const int h = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int j0 = blockIdx.y * WARPS_PER_BLOCK, j = j0 + warp;
+    const int j0 = blockIdx.y * WARPS_PER_BLOCK, j = j0 + warp, width = min(WARPS_PER_BLOCK, dv - j0);
+    // a warp past dv holds zeros and computes nothing, but joins every block barrier
     const bool active = j < dv, snapping = rows != nullptr && t > 1;
-    if (!active && !snapping) return;  // a whole warp leaves; with snapshots it joins the barriers
-    float* col = state + (long long)h * dk * dv + (active ? j : 0);
+    const long long head = (long long)h * dk * dv + j0;
     // row r + 1's inputs load while row r computes (the same arithmetic, in the same order)
     float s[SLOTS], gn[SLOTS], kn[SLOTS], qn[SLOTS], vn = 0.0f, bn = 0.0f;
-#pragma unroll
-    for (int m = 0; m < SLOTS; ++m) {
-        const int i = lane + 32 * m;
-        s[m] = active && i < dk ? col[(long long)i * dv] : 0.0f;
-    }
     auto fetch = [&](int r) {
         if (!active || r >= t) return;
         const long long kb = ((long long)r * hk + h) * dk;
@@ -112,7 +144,13 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
         vn = v[((long long)r * hk + h) * dv + j];
         bn = beta[(long long)r * hk + h];
     };
-    fetch(0);
+    fetch(0);  // in flight while the state loads
+    tile_from_rows(tile, state + head, dk, dv, width);
+#pragma unroll
+    for (int m = 0; m < SLOTS; ++m) {
+        const int i = lane + 32 * m;
+        s[m] = active && i < dk ? tile[tile_at(warp, i)] : 0.0f;
+    }
     for (int r = 0; r < t; ++r) {
         if (active) {
             float gg[SLOTS], kk[SLOTS], qq[SLOTS];
@@ -147,28 +185,9 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
             qs = kda_warp_sum(qs);
             if (lane == 0) out[((long long)r * hk + h) * dv + j] = qs;
         }
-        if (snapping && r < t - 1) {
-#pragma unroll
-            for (int m = 0; m < SLOTS; ++m) {
-                const int i = lane + 32 * m;
-                if (active && i < dk) tile[warp][i] = s[m];
-            }
-            __syncthreads();
-            float* snap = rows + r * row_stride + (long long)h * dk * dv + j0;
-            const int width = min(WARPS_PER_BLOCK, dv - j0);
-            for (int idx = threadIdx.x; idx < dk * WARPS_PER_BLOCK; idx += blockDim.x) {
-                const int i = idx / WARPS_PER_BLOCK, c = idx % WARPS_PER_BLOCK;
-                if (c < width) snap[(long long)i * dv + c] = tile[c][i];
-            }
-            __syncthreads();  // the tile is read before the next row overwrites it
-        }
+        if (snapping && r < t - 1) columns_to_rows<SLOTS>(tile, s, rows + r * row_stride + head, dk, dv, width, active);
     }
-    if (!active) return;
-#pragma unroll
-    for (int m = 0; m < SLOTS; ++m) {
-        const int i = lane + 32 * m;
-        if (i < dk) col[(long long)i * dv] = s[m];
-    }
+    columns_to_rows<SLOTS>(tile, s, state + head, dk, dv, width, active);
 }
 
 #define KDA_RECURRENCE(NAME, SLOTS, DECAYED)                                                         \

@@ -1,9 +1,9 @@
 // The MoE family of the exact class: sigmoid noaux_tc routing and the routed experts.
 // Expert weights are read once per call for all the rows routed to them (not once per row).
 // bf16 experts run on tensor cores through exact_mma.cuh, 8 NT routed rows per pass; float32
-// experts and the router walk a weight row per warp that loops over the rows, each dot lanes
-// striding the reduced axis, then a fixed shuffle tree. Either order depends on the reduced
-// length only, never on t or on which other rows picked the expert.
+// experts walk a weight row per warp that loops over the rows, the router a warp per (expert,
+// row); each dot lanes striding the reduced axis, then a fixed shuffle tree. Either order
+// depends on the reduced length only, never on t or on which other rows picked the expert.
 // Expert outputs land in per-(row, slot) scratch and are summed per row in slot order, so no
 // float atomics and no order that depends on which other rows exist.
 #include "common.cuh"
@@ -25,17 +25,30 @@ static __device__ __forceinline__ float warp_dot(const T* w, const float* x, int
     return acc;
 }
 
-// Router logits [t, E]: warp per expert, rows looped inside.
-extern "C" __global__ void moe_router_logits(const float* x, const float* w_gate, float* logits,
-                                             int t, int E, int D) {
-    int lane = threadIdx.x & 31;
-    int e = blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5);
-    if (e >= E) return;
+// Router logits [t, E]: one warp (a block) per (expert, row) logit, grid (E, t). The dot is
+// warp_dot's order (lane l sums c = l, l + 32, ... then the same tree), but each lane loads
+// ROUTER_BATCH terms before it sums them: a single warp per logit is bound by load latency.
+constexpr int ROUTER_BATCH = 64;
+extern "C" __global__ void moe_router_logits(const float* __restrict__ x, const float* __restrict__ w_gate,
+                                             float* __restrict__ logits, int t, int E, int D) {
+    const int lane = threadIdx.x, e = blockIdx.x, r = blockIdx.y;
     const float* we = w_gate + (long long)e * D;
-    for (int r = 0; r < t; ++r) {
-        float v = warp_dot(we, x + (long long)r * D, D, lane);
-        if (lane == 0) logits[(long long)r * E + e] = v;
+    const float* xr = x + (long long)r * D;
+    float acc = 0.0f;
+    for (int c0 = lane; c0 < D; c0 += 32 * ROUTER_BATCH) {
+        float wv[ROUTER_BATCH], xv[ROUTER_BATCH];
+#pragma unroll
+        for (int b = 0; b < ROUTER_BATCH; ++b) {
+            const int c = c0 + 32 * b;
+            wv[b] = c < D ? we[c] : 0.0f;
+            xv[b] = c < D ? xr[c] : 0.0f;
+        }
+#pragma unroll
+        for (int b = 0; b < ROUTER_BATCH; ++b)
+            if (c0 + 32 * b < D) acc += wv[b] * xv[b];
     }
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if (lane == 0) logits[(long long)r * E + e] = acc;
 }
 
 // Sum of the two largest biased scores in group g (counted with multiplicity).

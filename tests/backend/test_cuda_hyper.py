@@ -67,6 +67,10 @@ CASES = [
     case("hc_weights_mini", *_hc_weights(4, 128, 20)),
     case("hc_weights_small", *_hc_weights(4, 64, 20)),
     case("hc_weights_odd", *_hc_weights(3, 67, 3)),
+    # n * n past one entry a lane (36, 64 = HC_MAX_N^2); bench's D: eight chunks of the matvec
+    case("hc_weights_n6", *_hc_weights(6, 40, 5)),
+    case("hc_weights_n8", *_hc_weights(8, 33, 4)),
+    case("hc_weights_bench", *_hc_weights(4, 4096, 20), ts=(1, 7, 15)),
     # prime class: the matvec as one float32 GEMM (backend/cuda/prime.py)
     case("hc_weights_prime", *_hc_weights(4, 128, 20), gates=frozenset({NUMPY}), ts=(16, 40)),
     case("hc_weights_prime_odd", *_hc_weights(3, 67, 3), gates=frozenset({NUMPY}), ts=(17,)),
@@ -76,8 +80,15 @@ CASES = [
     case("hc_combine_mini", *_hc_combine(4, 128)),
     case("hc_combine_small", *_hc_combine(4, 64)),
     case("hc_combine_odd", *_hc_combine(3, 67)),
+    case("hc_combine_n8", *_hc_combine(8, 300)),  # HC_MAX_N streams, D past one block
     case("stream_mean_mini", *_stream_mean(4, 128)),
     case("stream_mean_odd", *_stream_mean(3, 67)),
+    # a prompt's rows through the same kernels (a thread per channel, rows over grid y, looped
+    # past its 65535)
+    case("hc_combine_rows", *_hc_combine(4, 300), gates=frozenset({NUMPY}), ts=(600,)),
+    case("hc_collapse_rows", *_hc_collapse(4, 300), gates=frozenset({NUMPY}), ts=(600,)),
+    case("hc_combine_past_grid_y", *_hc_combine(2, 3), gates=frozenset({NUMPY}), ts=(70000,)),
+    case("stream_mean_past_grid_y", *_stream_mean(2, 3), gates=frozenset({NUMPY}), ts=(70000,)),
 ]
 
 

@@ -76,6 +76,9 @@ CASES = [
     case("kda_recurrence_dk128_h2", *_kda_recurrence(2, 128, 128), **STATE),
     case("kda_recurrence_odd", *_kda_recurrence(3, 40, 24), **STATE),
     case("kda_recurrence_dk160", *_kda_recurrence(1, 160, 40), **STATE),  # past 4 slots: the wide kernel
+    # dv not a multiple of WARPS_PER_BLOCK: the last block's spare warps hold no column
+    case("kda_recurrence_dk256_dv20", *_kda_recurrence(2, 256, 20), **STATE),
+    case("kda_recurrence_dv13", *_kda_recurrence(1, 64, 13), **STATE),
 ]
 
 
@@ -140,7 +143,7 @@ def _launch_recurrence(name, rows, state, dv):
     return cp.asnumpy(out), cp.asnumpy(state)
 
 
-@pytest.mark.parametrize("dk, dv", [(128, 128), (40, 24)])
+@pytest.mark.parametrize("dk, dv", [(128, 128), (40, 24), (40, 20)])
 def test_every_recurrence_kernel_does_the_same_arithmetic(dk, dv):
     """dk <= 128 takes kda_recurrence_s4 (fewer registers): the kernel for KDA_MAX_DK with idle
     slots gives the same bytes, outputs and state, over a verify walk's VERIFY_CAP rows (a longer

@@ -89,6 +89,9 @@ CASES = [
     case("moe_route_mini", *_route(128, 4, 1, 1, 2)),
     case("moe_route_small", *_route(64, 8, 2, 1, 2)),
     case("moe_route_groups_unnormalised", *_route(96, 8, 2, 2, 3, renormalize=False), ts=(1, 7, 9, 15)),
+    # the router's D past one batch of loads (2048 per warp), with a partial tail; bench's shape
+    case("moe_route_wide_tail", *_route(2100, 16, 2, 1, 3), ts=(1, 7, 15)),
+    case("moe_route_bench", *_route(4096, 64, 1, 1, 8), ts=(1, 7, 15)),
     case("moe_experts_mini", *_experts(4, 64, 128, 2)),
     case("moe_experts_mini_bf16", *_experts(4, 64, 128, 2, bf16=True)),
     case("moe_experts_small", *_experts(8, 32, 64, 2)),
@@ -110,6 +113,32 @@ class TestMoeOps(OpGates):
                        lambda: SplitDot(lambda t: t, interleaved=False),
                        green=lambda: SplitDot(lambda t: 4, interleaved=False)),)
     ulp_cases = ("moe_experts_small", "moe_experts_mini_bf16", "moe_route_small")
+
+
+def _warp_dot_order(w, x):
+    """The router's float32 dot as the kernel sums it: lane l adds w[c] x[c] for c = l, l + 32,
+    ... in order, then lane 0 gathers the shuffle-down tree (16, 8, 4, 2, 1)."""
+    acc = np.zeros(32, F32)
+    for c0 in range(0, w.size, 32):
+        n = min(32, w.size - c0)
+        acc[:n] = acc[:n] + w[c0:c0 + n] * x[c0:c0 + n]
+    for off in (16, 8, 4, 2, 1):
+        acc[:32 - off] = acc[:32 - off] + acc[off:].copy()
+    return acc[0]
+
+
+@pytest.mark.parametrize("d", [4096, 2100, 31])
+def test_router_logits_sum_in_the_fixed_lane_order_bit_for_bit(d):
+    """Each logit's order is pinned (not only tolerated): a float32 emulation of the lane order
+    gives the kernel's bits, at every row of a 5-row call."""
+    rng = np.random.default_rng(d)
+    t, e = 5, 6
+    x, w = normal(rng, (t, d)), normal(rng, (e, d), d ** -0.5)
+    got = cp.empty((t, e), cp.float32)
+    launch("moe", "moe_router_logits", (e, t), (32,),
+           (cp.asarray(x), cp.asarray(w), got, np.int32(t), np.int32(e), np.int32(d)))
+    want = np.array([[_warp_dot_order(w[j], x[r]) for j in range(e)] for r in range(t)], F32)
+    assert cp.asnumpy(got).tobytes() == want.tobytes()
 
 
 def test_moe_route_exact_ties_go_to_the_lower_group_and_expert():

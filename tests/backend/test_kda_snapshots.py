@@ -13,7 +13,8 @@ from memra.backend.numpy_ref import NumpyBackend
 from tests.backend.inputs import normal, uniform
 
 HK, C, K, T = 2, 48, 4, 6
-SHAPES = [(32, 32), (40, 20)]  # (dk, dv); dv = 20: a block of 8 value columns only half full
+# (dk, dv); dv = 20 or 12: a block of 8 value columns only half full; dk = 256: every slot
+SHAPES = [(32, 32), (40, 20), (256, 12)]
 
 
 def _backends():

@@ -45,7 +45,7 @@ class MoeOps:
             logits = cp.ascontiguousarray(cp.matmul(x, w_gate.T))
         else:
             logits = cp.empty((t, e), cp.float32)
-            launch("moe", "moe_router_logits", (blocks_of(e, WARPS_PER_BLOCK),), (BLOCK,),
+            launch("moe", "moe_router_logits", (e, t), (32,),
                    (x, w_gate, logits, i32(t), i32(e), i32(d)))
         launch("moe", "moe_route_select", (blocks_of(t, ROUTE_ROWS),), (32 * ROUTE_ROWS,),
                (logits, bias, experts, weights, i32(t), i32(e), i32(n_group),

@@ -11,37 +11,55 @@ static __device__ __forceinline__ float hc_warp_sum(float v) {
     return v;
 }
 
-// hc_weights holds the n x n mixing matrix in one warp: lane l the entries e = l + 32 h, (a, b)
-// = (e / n, e % n). hc_entry(v, src, nn) is entry src to every lane (all lanes call it).
-constexpr int HC_LANE_ENTRIES = (HC_MAX_N * HC_MAX_N + 31) / 32;
-static __device__ __forceinline__ float hc_entry(const float* v, int src, int nn) {
-    float got = 0.0f;
+// hc_weights' mixing matrix: every lane holds the whole n x n matrix c in registers and runs
+// the Sinkhorn passes alone, so they need no communication. Loops run to N (unrolled, so c stays
+// in registers) and skip entries past n; N = n = 4 (the release's streams) compiles to exactly
+// the live entries. c[a][b] /= (sum of its column + eps), or of its row; each sum adds its
+// entries in ascending order.
+template <int N>
+static __device__ __forceinline__ void hc_normalise(float (&c)[N][N], int n, bool columns, float eps) {
+    float den[N];
 #pragma unroll
-    for (int h = 0; h < HC_LANE_ENTRIES; ++h) {
-        if (32 * h >= nn) break;  // uniform: nn is the block's n * n
-        const float x = __shfl_sync(0xffffffffu, v[h], src & 31);
-        if (src / 32 == h) got = x;
+    for (int i = 0; i < N; ++i) {
+        float s = columns ? c[0][i] : c[i][0];
+#pragma unroll
+        for (int j = 1; j < N; ++j)
+            if (j < n) s += columns ? c[j][i] : c[i][j];
+        den[i] = s + eps;
     }
-    return got;
+#pragma unroll
+    for (int a = 0; a < N; ++a)
+#pragma unroll
+        for (int b = 0; b < N; ++b)
+            if (a < n && b < n) c[a][b] = c[a][b] / den[columns ? b : a];
 }
 
-// c[a, b] /= (sum of its column + eps), or of its row; the sum adds the column (row) in
-// ascending order, gathered by shuffles from the lanes that hold it.
-static __device__ void hc_normalise(float* v, int n, bool columns, float eps) {
-    const int lane = threadIdx.x % 32, nn = n * n;
-    float next[HC_LANE_ENTRIES];
+// comb_row [n, n] = Sinkhorn(row softmax of the logits + eps), from m (the normalised partials).
+template <int N>
+static __device__ __forceinline__ void hc_mix(const float* m, const float* base, float scale, float inv,
+                                              float* comb_row, int n, float eps, int iters, int lane) {
+    float c[N][N];
 #pragma unroll
-    for (int h = 0; h < HC_LANE_ENTRIES; ++h) next[h] = v[h];
+    for (int a = 0; a < N; ++a) {  // each row walked in order
+        const float* mc = m + 2 * n + a * n;
+        const float* bc = base + 2 * n + a * n;
+        float mx = neg_inf(), s = 0.0f;
+        for (int i = 0; i < n && a < n; ++i) mx = fmaxf(mx, mc[i] * inv * scale + bc[i]);
+        for (int i = 0; i < n && a < n; ++i) s += expf(mc[i] * inv * scale + bc[i] - mx);
 #pragma unroll
-    for (int h = 0; h < HC_LANE_ENTRIES; ++h) {
-        if (32 * h >= nn) break;
-        const int e = lane + 32 * h, a = e / n, b = e % n;
-        float s = hc_entry(v, columns ? b : a * n, nn);
-        for (int i = 1; i < n; ++i) s += hc_entry(v, columns ? i * n + b : a * n + i, nn);
-        next[h] = v[h] / (s + eps);
+        for (int b = 0; b < N; ++b)
+            c[a][b] = a < n && b < n ? expf(mc[b] * inv * scale + bc[b] - mx) / s + eps : 0.0f;
+    }
+    hc_normalise(c, n, true, eps);
+    for (int it = 1; it < iters; ++it) {
+        hc_normalise(c, n, false, eps);
+        hc_normalise(c, n, true, eps);
     }
 #pragma unroll
-    for (int h = 0; h < HC_LANE_ENTRIES; ++h) v[h] = next[h];
+    for (int a = 0; a < N; ++a)
+#pragma unroll
+        for (int b = 0; b < N; ++b)
+            if (a < n && b < n && (a * n + b) % 32 == lane) comb_row[a * n + b] = c[a][b];
 }
 
 // Site weights in two launches, so the (2+n)n x nD matvec spreads over many blocks instead of
@@ -98,7 +116,7 @@ extern "C" __global__ void hc_weights(const float* __restrict__ part, const floa
                                       float* __restrict__ post, float* __restrict__ comb, int n,
                                       int d, int chunks, float rms_eps, float hc_eps, int iters) {
     __shared__ float m[HC_MAX_OUTS + 1];
-    const int r = blockIdx.x, outs = (2 + n) * n, lane = threadIdx.x, nn = n * n;
+    const int r = blockIdx.x, outs = (2 + n) * n, lane = threadIdx.x;
     const float* p = part + (long long)r * chunks * (outs + 1);
     for (int j = lane; j <= outs; j += 32) {
         float sum = p[j];
@@ -111,29 +129,11 @@ extern "C" __global__ void hc_weights(const float* __restrict__ part, const floa
         pre[r * n + lane] = sigmoidf_stable(m[lane] * inv * scale[0] + base[lane]) + hc_eps;
         post[r * n + lane] = 2.0f * sigmoidf_stable(m[n + lane] * inv * scale[1] + base[n + lane]);
     }
-    // c = row softmax of the logits + eps: each entry walks its row in order
-    float v[HC_LANE_ENTRIES];
-#pragma unroll
-    for (int h = 0; h < HC_LANE_ENTRIES; ++h) {
-        const int e = lane + 32 * h, a = e / n, b = e % n;
-        v[h] = 0.0f;
-        if (e >= nn) continue;
-        const float* mc = m + 2 * n + a * n;
-        const float* bc = base + 2 * n + a * n;
-        float mx = neg_inf();
-        for (int i = 0; i < n; ++i) mx = fmaxf(mx, mc[i] * inv * scale[2] + bc[i]);
-        float s = 0.0f;
-        for (int i = 0; i < n; ++i) s += expf(mc[i] * inv * scale[2] + bc[i] - mx);
-        v[h] = expf(mc[b] * inv * scale[2] + bc[b] - mx) / s + hc_eps;
-    }
-    hc_normalise(v, n, true, hc_eps);
-    for (int it = 1; it < iters; ++it) {
-        hc_normalise(v, n, false, hc_eps);
-        hc_normalise(v, n, true, hc_eps);
-    }
-#pragma unroll
-    for (int h = 0; h < HC_LANE_ENTRIES; ++h)
-        if (lane + 32 * h < nn) comb[(long long)r * nn + lane + 32 * h] = v[h];
+    float* comb_row = comb + (long long)r * n * n;
+    if (n == 4)
+        hc_mix<4>(m, base, scale[2], inv, comb_row, 4, hc_eps, iters, lane);
+    else
+        hc_mix<HC_MAX_N>(m, base, scale[2], inv, comb_row, n, hc_eps, iters, lane);
 }
 
 // The per-channel kernels below: grid (ceil(D / block), min(t, 65535)), thread k of a row,

@@ -11,13 +11,15 @@ static __device__ __forceinline__ float hc_warp_sum(float v) {
     return v;
 }
 
-// hc_weights' mixing matrix: every lane holds the whole n x n matrix c in registers and runs
-// the Sinkhorn passes alone, so they need no communication. Loops run to N (unrolled, so c stays
-// in registers) and skip entries past n; N = n = 4 (the release's streams) compiles to exactly
-// the live entries. c[a][b] /= (sum of its column + eps), or of its row; each sum adds its
-// entries in ascending order.
+// hc_weights' mixing matrix: every lane of the row's warp holds the whole n x n matrix c in
+// registers (loops run to N, unrolled, skipping entries past n; N = n = 4, the release's streams,
+// compiles to the live entries only). A pass c[a][b] /= (sum of its column + eps), or of its row,
+// adds each sum in ascending order; lane e divides entry e alone (a division is a branchy
+// sequence that does not overlap its neighbours) and the new entries go to every lane by shuffles.
+static_assert(HC_MAX_N * HC_MAX_N <= 64, "hc_normalise: at most two entries per lane");
 template <int N>
-static __device__ __forceinline__ void hc_normalise(float (&c)[N][N], int n, bool columns, float eps) {
+static __device__ __forceinline__ void hc_normalise(float (&c)[N][N], int n, bool columns, float eps, int lane) {
+    constexpr int PER_LANE = (N * N + 31) / 32;
     float den[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -27,11 +29,27 @@ static __device__ __forceinline__ void hc_normalise(float (&c)[N][N], int n, boo
             if (j < n) s += columns ? c[j][i] : c[i][j];
         den[i] = s + eps;
     }
+    float mine[PER_LANE];
+#pragma unroll
+    for (int h = 0; h < PER_LANE; ++h) {
+        const int e = lane + 32 * h, a = e / n, b = e % n, k = columns ? b : a;
+        float x = 0.0f, d = 1.0f;  // lane e's entry and its sum, picked without indexing registers
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            if (i == k) d = den[i];
+#pragma unroll
+            for (int j = 0; j < N; ++j)
+                if (i == a && j == b) x = c[i][j];
+        }
+        mine[h] = e < n * n ? x / d : 0.0f;
+    }
 #pragma unroll
     for (int a = 0; a < N; ++a)
 #pragma unroll
-        for (int b = 0; b < N; ++b)
-            if (a < n && b < n) c[a][b] = c[a][b] / den[columns ? b : a];
+        for (int b = 0; b < N; ++b) {
+            const int e = a * n + b;  // uniform across the warp, as the guard is
+            if (a < n && b < n) c[a][b] = __shfl_sync(0xffffffffu, e < 32 ? mine[0] : mine[PER_LANE - 1], e % 32);
+        }
 }
 
 // comb_row [n, n] = Sinkhorn(row softmax of the logits + eps), from m (the normalised partials).
@@ -50,10 +68,10 @@ static __device__ __forceinline__ void hc_mix(const float* m, const float* base,
         for (int b = 0; b < N; ++b)
             c[a][b] = a < n && b < n ? expf(mc[b] * inv * scale + bc[b] - mx) / s + eps : 0.0f;
     }
-    hc_normalise(c, n, true, eps);
+    hc_normalise(c, n, true, eps, lane);
     for (int it = 1; it < iters; ++it) {
-        hc_normalise(c, n, false, eps);
-        hc_normalise(c, n, true, eps);
+        hc_normalise(c, n, false, eps, lane);
+        hc_normalise(c, n, true, eps, lane);
     }
 #pragma unroll
     for (int a = 0; a < N; ++a)

@@ -39,9 +39,9 @@ KDA_MAX_DK = 256    # key dim: each lane holds KDA_MAX_DK / 32 state entries
 KDA_CONV_SPAN = 64  # a prompt's short_conv rows per thread (short_conv_spans)
 
 # mla.cu
-ATT_POS = 32        # positions per mla_scores block (one per lane)
-MIX_HEADS = 8       # heads per mla_mix block (one per warp in the combine)
-MIX_CHANNELS = 32   # latent channels per mla_mix block (one per lane)
+ATT_POS = 16        # positions per mla_scores block and per position a thread holds (1 or 2)
+MIX_CHANNELS = 128  # latent channels per mla_mix block (four per lane)
+MIX_SPLIT = 64      # list entries per mla_mix partial: a split size, never a count
 
 # moe.cu
 MOE_MAX_EXPERTS = 3072   # moe_expert_list marks experts in shared memory (route_select: 48 KB)
@@ -64,8 +64,8 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "KDA_MAX_DK": KDA_MAX_DK,
     "KDA_CONV_SPAN": KDA_CONV_SPAN,
     "ATT_POS": ATT_POS,
-    "MIX_HEADS": MIX_HEADS,
     "MIX_CHANNELS": MIX_CHANNELS,
+    "MIX_SPLIT": MIX_SPLIT,
     "MOE_MAX_EXPERTS": MOE_MAX_EXPERTS,
     "MAX_TOPK": MAX_TOPK,
     "MAX_GROUPS": MAX_GROUPS,

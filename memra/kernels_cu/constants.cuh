@@ -61,6 +61,9 @@
 #ifndef MIX_SPLIT
 #define MIX_SPLIT 64
 #endif
+#ifndef MIX_STEP
+#define MIX_STEP 16
+#endif
 #ifndef MOE_MAX_EXPERTS
 #define MOE_MAX_EXPERTS 3072
 #endif

@@ -42,6 +42,7 @@ KDA_CONV_SPAN = 64  # a prompt's short_conv rows per thread (short_conv_spans)
 ATT_POS = 16        # positions per mla_scores block and per position a thread holds (1 or 2)
 MIX_CHANNELS = 128  # latent channels per mla_mix block (four per lane)
 MIX_SPLIT = 64      # list entries per mla_mix partial: a split size, never a count
+MIX_STEP = 16       # list entries per mla_mix shared-memory step; a split is a multiple
 
 # moe.cu
 MOE_MAX_EXPERTS = 3072   # moe_expert_list marks experts in shared memory (route_select: 48 KB)
@@ -66,6 +67,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "ATT_POS": ATT_POS,
     "MIX_CHANNELS": MIX_CHANNELS,
     "MIX_SPLIT": MIX_SPLIT,
+    "MIX_STEP": MIX_STEP,
     "MOE_MAX_EXPERTS": MOE_MAX_EXPERTS,
     "MAX_TOPK": MAX_TOPK,
     "MAX_GROUPS": MAX_GROUPS,

@@ -121,14 +121,13 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
 //   mla_scores:      s[r, h, j] = scale * (q[r, h] . c_{pos[r, j]}), the dot over R in order;
 //   mla_softmax:     p[r, h, :] = softmax over the row's valid entries (fixed-tree max and sum);
 //   mla_mix:         part[r, s, h, k] = sum of p[r, h, j] c_{pos[r, j]}[k] over the split's
-//                    MIX_SPLIT entries j, ascending;
+//                    `split` entries j (the wrapper passes MIX_SPLIT), ascending;
 //   mla_mix_combine: o[r, h, k] = sum of part[r, s, h, k] over the splits s, ascending.
 // Each value's order depends on R, W and the row's own list only, never on t, the tile or the grid.
 #define ATT_HEADS 64  // heads per pass of a block: 16 thread rows of 4 heads
 #define ATT_KT 32     // in-channels staged per mla_scores step
-#define MIX_JT 16     // list entries staged per mla_mix step
 static_assert(MEMRA_BLOCK == 256, "mla_scores and mla_mix tile 256 threads");
-static_assert(MIX_CHANNELS == 128 && MIX_SPLIT % MIX_JT == 0, "mla_mix: 4 channels per lane");
+static_assert(MIX_CHANNELS == 128 && MIX_SPLIT % MIX_STEP == 0, "mla_mix: 4 channels per lane");
 
 // One mla_scores step's loads: q of heads h0.. and the tile's latent rows, channels k0..k0+ATT_KT.
 template <int PT>
@@ -241,20 +240,20 @@ extern "C" __global__ void mla_softmax(float* scores, const int* positions, int 
 }
 
 // One mla_mix step's loads: the probabilities of heads h0.. and the latent channels kb.. of
-// entries j0..j0+MIX_JT (entry e of the split at ps[e]).
+// entries j0..j0+MIX_STEP (entry e of the split at ps[e]).
 struct MixLoads {
-    float p[ATT_HEADS * MIX_JT / MEMRA_BLOCK];
-    float c[MIX_JT * MIX_CHANNELS / MEMRA_BLOCK];
+    float p[ATT_HEADS * MIX_STEP / MEMRA_BLOCK];
+    float c[MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK];
 
     __device__ void load(const float* pr, const float* latent, const int* ps, int H, int R, int W,
                          int h0, int kb, int j0, int e0) {
 #pragma unroll
-        for (int i = 0; i < ATT_HEADS * MIX_JT / MEMRA_BLOCK; ++i) {
-            const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / MIX_JT, j = j0 + e % MIX_JT;
+        for (int i = 0; i < ATT_HEADS * MIX_STEP / MEMRA_BLOCK; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / MIX_STEP, j = j0 + e % MIX_STEP;
             p[i] = h < H && j < W ? pr[(long long)h * W + j] : 0.0f;
         }
 #pragma unroll
-        for (int i = 0; i < MIX_JT * MIX_CHANNELS / MEMRA_BLOCK; ++i) {
+        for (int i = 0; i < MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK; ++i) {
             const int e = threadIdx.x + i * MEMRA_BLOCK, pos = ps[e0 + e / MIX_CHANNELS];
             const int k = kb + e % MIX_CHANNELS;
             c[i] = pos >= 0 && k < R ? latent[(long long)pos * R + k] : 0.0f;
@@ -262,17 +261,17 @@ struct MixLoads {
     }
 };
 
-// grid (ceil(R / MIX_CHANNELS), ceil(W / MIX_SPLIT), t), block MEMRA_BLOCK: the partial sums of
-// split s = blockIdx.y over its entries in order. Thread (warp w, lane l) holds heads
-// 8 w .. 8 w + 7 of the pass and channels kb + 4 l .. kb + 4 l + 3.
+// grid (ceil(R / MIX_CHANNELS), ceil(W / split), t), block MEMRA_BLOCK: the partial sums of
+// split s = blockIdx.y over its entries in order; split <= MIX_SPLIT, a multiple of MIX_STEP.
+// Thread (warp w, lane l) holds heads 8 w .. 8 w + 7 of the pass and channels kb + 4 l .. + 3.
 extern "C" __global__ void mla_mix(const float* probs, const float* latent, const int* positions,
-                                   float* part, int H, int R, int W) {
-    __shared__ __align__(16) float cs[MIX_JT][MIX_CHANNELS];
-    __shared__ __align__(16) float pt[MIX_JT][ATT_HEADS + 4];  // +4: float4 rows, fewer clashes
+                                   float* part, int H, int R, int W, int split) {
+    __shared__ __align__(16) float cs[MIX_STEP][MIX_CHANNELS];
+    __shared__ __align__(16) float pt[MIX_STEP][ATT_HEADS + 4];  // +4: float4 rows, fewer clashes
     __shared__ int ps[MIX_SPLIT];
     const int r = blockIdx.z, s = blockIdx.y, kb = blockIdx.x * MIX_CHANNELS;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, js = s * MIX_SPLIT;
-    const int jn = min(MIX_SPLIT, W - js);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, js = s * split;
+    const int jn = min(split, W - js);
     const int* pos = positions + (long long)r * W;
     const float* pr = probs + (long long)r * H * W;
     if (threadIdx.x < MIX_SPLIT) ps[threadIdx.x] = (int)threadIdx.x < jn ? pos[js + threadIdx.x] : -1;
@@ -285,21 +284,22 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
 #pragma unroll
             for (int b = 0; b < 4; ++b) acc[a][b] = 0.0f;
         next.load(pr, latent, ps, H, R, W, h0, kb, js, 0);
-        for (int e0 = 0; e0 < jn; e0 += MIX_JT) {
+        for (int e0 = 0; e0 < jn; e0 += MIX_STEP) {
             __syncthreads();  // the previous step is done with the tiles
 #pragma unroll
-            for (int i = 0; i < ATT_HEADS * MIX_JT / MEMRA_BLOCK; ++i) {
+            for (int i = 0; i < ATT_HEADS * MIX_STEP / MEMRA_BLOCK; ++i) {
                 const int e = threadIdx.x + i * MEMRA_BLOCK;
-                pt[e % MIX_JT][e / MIX_JT] = next.p[i];
+                pt[e % MIX_STEP][e / MIX_STEP] = next.p[i];
             }
 #pragma unroll
-            for (int i = 0; i < MIX_JT * MIX_CHANNELS / MEMRA_BLOCK; ++i) {
+            for (int i = 0; i < MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK; ++i) {
                 const int e = threadIdx.x + i * MEMRA_BLOCK;
                 cs[e / MIX_CHANNELS][e % MIX_CHANNELS] = next.c[i];
             }
             __syncthreads();
-            if (e0 + MIX_JT < jn) next.load(pr, latent, ps, H, R, W, h0, kb, js + e0 + MIX_JT, e0 + MIX_JT);
-            const int en = min(MIX_JT, jn - e0);
+            const int e1 = e0 + MIX_STEP;
+            if (e1 < jn) next.load(pr, latent, ps, H, R, W, h0, kb, js + e1, e1);  // in flight meanwhile
+            const int en = min(MIX_STEP, jn - e0);
             for (int e = 0; e < en; ++e) {
                 const float4 c = *reinterpret_cast<const float4*>(&cs[e][4 * lane]);
                 const float4 pa = *reinterpret_cast<const float4*>(&pt[e][8 * warp]);
@@ -314,7 +314,7 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
                 }
             }
         }
-        const int nsplit = (W + MIX_SPLIT - 1) / MIX_SPLIT;
+        const int nsplit = (W + split - 1) / split;
 #pragma unroll
         for (int a = 0; a < 8; ++a) {
             const int h = h0 + 8 * warp + a;

@@ -14,7 +14,7 @@ import cupy as cp
 
 from memra.backend.cuda.prime import is_prime, prime_attend, prime_pool_scores
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, position
-from memra.kernels_cu.constants import ATT_POS, MIX_CHANNELS, MIX_SPLIT
+from memra.kernels_cu.constants import ATT_POS, MIX_CHANNELS, MIX_SPLIT, MIX_STEP
 
 # From this many rows mla_scores tiles two positions per thread (half the q re-reads); fewer rows
 # take one, for blocks enough to fill the GPU. The tile changes no score (each is one serial dot).
@@ -22,6 +22,8 @@ SCORES_P2_ROWS = 4
 
 
 class MlaOps:
+    _mix_split = MIX_SPLIT  # list entries per mla_mix partial: a size, the same for every t
+
     def kpool_compress(self, keys, gates, ape):
         """Pool keys [npool, Di] from keys, gates [npool, P, Di] and ape [P, Di]."""
         check(keys, cp.float32, "keys")
@@ -100,10 +102,12 @@ class MlaOps:
         launch("mla", f"mla_scores_p{per_thread}", (blocks_of(width, ATT_POS * per_thread), t), (BLOCK,),
                (q_lat, latent, positions, probs, i32(h), i32(rank), i32(width), f32(scale)))
         launch("mla", "mla_softmax", (t * h,), (BLOCK,), (probs, positions, i32(h), i32(width)))
-        nsplit = blocks_of(width, MIX_SPLIT)
+        split = self._mix_split
+        assert 0 < split <= MIX_SPLIT and split % MIX_STEP == 0, f"mix split {split}"
+        nsplit = blocks_of(width, split)
         part = cp.empty((t, nsplit, h, rank), cp.float32)
         launch("mla", "mla_mix", (blocks_of(rank, MIX_CHANNELS), nsplit, t), (BLOCK,),
-               (probs, latent, positions, part, i32(h), i32(rank), i32(width)))
+               (probs, latent, positions, part, i32(h), i32(rank), i32(width), i32(split)))
         launch("mla", "mla_mix_combine", (blocks_of(t * h * rank),), (BLOCK,),
                (part, out, i32(t), i32(h), i32(rank), i32(nsplit)))
         return out

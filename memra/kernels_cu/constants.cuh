@@ -59,13 +59,16 @@
 #define KDA_CHUNK_MAX_DK 128
 #endif
 #ifndef ATT_POS
-#define ATT_POS 32
-#endif
-#ifndef MIX_HEADS
-#define MIX_HEADS 8
+#define ATT_POS 16
 #endif
 #ifndef MIX_CHANNELS
-#define MIX_CHANNELS 32
+#define MIX_CHANNELS 128
+#endif
+#ifndef MIX_SPLIT
+#define MIX_SPLIT 64
+#endif
+#ifndef MIX_STEP
+#define MIX_STEP 16
 #endif
 #ifndef MOE_MAX_EXPERTS
 #define MOE_MAX_EXPERTS 3072

@@ -43,9 +43,10 @@ KDA_CHUNK = 16          # rows per chunk: the in-chunk solve is KDA_CHUNK x KDA_
 KDA_CHUNK_MAX_DK = 128  # key dim of the chunked scan: a scan block's warps hold 32 keys each
 
 # mla.cu
-ATT_POS = 32        # positions per mla_scores block (one per lane)
-MIX_HEADS = 8       # heads per mla_mix block (one per warp in the combine)
-MIX_CHANNELS = 32   # latent channels per mla_mix block (one per lane)
+ATT_POS = 16        # positions per mla_scores block and per position a thread holds (1 or 2)
+MIX_CHANNELS = 128  # latent channels per mla_mix block (four per lane)
+MIX_SPLIT = 64      # list entries per mla_mix partial: a split size, never a count
+MIX_STEP = 16       # list entries per mla_mix shared-memory step; a split is a multiple
 
 # moe.cu
 MOE_MAX_EXPERTS = 3072   # moe_expert_list marks experts in shared memory (route_select: 48 KB)
@@ -70,8 +71,9 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "KDA_CHUNK": KDA_CHUNK,
     "KDA_CHUNK_MAX_DK": KDA_CHUNK_MAX_DK,
     "ATT_POS": ATT_POS,
-    "MIX_HEADS": MIX_HEADS,
     "MIX_CHANNELS": MIX_CHANNELS,
+    "MIX_SPLIT": MIX_SPLIT,
+    "MIX_STEP": MIX_STEP,
     "MOE_MAX_EXPERTS": MOE_MAX_EXPERTS,
     "MAX_TOPK": MAX_TOPK,
     "MAX_GROUPS": MAX_GROUPS,

@@ -116,55 +116,108 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
     }
 }
 
-// Absorbed MLA attention in three launches (all heads share the latent rows, so each latent row
-// is read once per block of positions, not once per head):
-//   mla_scores:  s[r, h, j] = scale * (q[r, h] . c_{pos[r, j]}), the dot over R in order;
-//   mla_softmax: p[r, h, :] = softmax over the row's valid entries (fixed-tree max and sum);
-//   mla_mix:     o[r, h, k] = sum_j p[r, h, j] c_{pos[r, j]}[k], j in list (ascending) order.
-// Each value's order depends on R and the row's own list only, never on t or the grid.
-static_assert(ATT_POS == 32, "mla_scores: one position per lane");
-#define ATT_HEADS (WARPS_PER_BLOCK * 8)  // heads per pass of an mla_scores block: 8 per warp
-#define ATT_KT 32                        // in-channels staged per step
+// Absorbed MLA attention in four launches; every block serves all heads of its row, so a
+// latent row is read once per block of positions (scores) or of channels (mix), never per head:
+//   mla_scores:      s[r, h, j] = scale * (q[r, h] . c_{pos[r, j]}), the dot over R in order;
+//   mla_softmax:     p[r, h, :] = softmax over the row's valid entries (fixed-tree max and sum);
+//   mla_mix:         part[r, s, h, k] = sum of p[r, h, j] c_{pos[r, j]}[k] over the split's
+//                    `split` entries j (the wrapper passes MIX_SPLIT), ascending;
+//   mla_mix_combine: o[r, h, k] = sum of part[r, s, h, k] over the splits s, ascending.
+// Each value's order depends on R, W and the row's own list only, never on t, the tile or the grid.
+#define ATT_HEADS 64  // heads per pass of a block: 16 thread rows of 4 heads
+#define ATT_KT 32     // in-channels staged per mla_scores step
+static_assert(MEMRA_BLOCK == 256, "mla_scores and mla_mix tile 256 threads");
+static_assert(MIX_CHANNELS == 128 && MIX_SPLIT % MIX_STEP == 0, "mla_mix: 4 channels per lane");
 
-// grid (ceil(W / ATT_POS), t), block MEMRA_BLOCK. Lane = position, warp = a group of 8 heads.
-extern "C" __global__ void mla_scores(const float* q, const float* latent, const int* positions,
-                                      float* scores, int H, int R, int W, float scale) {
-    __shared__ float cs[ATT_POS][ATT_KT + 1];  // +1: lanes read different rows, no bank clash
-    __shared__ float qs[ATT_HEADS][ATT_KT + 1];
-    const int r = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int j = blockIdx.x * ATT_POS + lane;
-    const int* pos = positions + (long long)r * W;
-    for (int h0 = 0; h0 < H; h0 += ATT_HEADS) {
-        float acc[8];
+// One mla_scores step's loads: q of heads h0.. and the tile's latent rows, channels k0..k0+ATT_KT.
+template <int PT>
+struct ScoreLoads {
+    float q[ATT_HEADS * ATT_KT / MEMRA_BLOCK];
+    float c[ATT_POS * PT * ATT_KT / MEMRA_BLOCK];
+
+    __device__ void load(const float* qr, const float* latent, const int* ps, int H, int R, int h0,
+                         int k0) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-        for (int k0 = 0; k0 < R; k0 += ATT_KT) {
-            __syncthreads();  // the previous step is done with the tiles
-            for (int e = threadIdx.x; e < ATT_POS * ATT_KT; e += MEMRA_BLOCK) {
-                const int jj = blockIdx.x * ATT_POS + e / ATT_KT, k = k0 + e % ATT_KT;
-                const int c = jj < W ? pos[jj] : -1;
-                cs[e / ATT_KT][e % ATT_KT] = c >= 0 && k < R ? latent[(long long)c * R + k] : 0.0f;
-            }
-            for (int e = threadIdx.x; e < ATT_HEADS * ATT_KT; e += MEMRA_BLOCK) {
-                const int h = h0 + e / ATT_KT, k = k0 + e % ATT_KT;
-                qs[e / ATT_KT][e % ATT_KT] = h < H && k < R ? q[((long long)r * H + h) * R + k] : 0.0f;
-            }
-            __syncthreads();
-            const int kn = min(ATT_KT, R - k0);
-            for (int k = 0; k < kn; ++k) {
-                const float c = cs[lane][k];
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc[i] = acc[i] + qs[warp * 8 + i][k] * c;
-            }
+        for (int i = 0; i < ATT_HEADS * ATT_KT / MEMRA_BLOCK; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / ATT_KT, k = k0 + e % ATT_KT;
+            q[i] = h < H && k < R ? qr[(long long)h * R + k] : 0.0f;
         }
-        if (j < W && pos[j] >= 0) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const int h = h0 + warp * 8 + i;
-                if (h < H) scores[((long long)r * H + h) * W + j] = acc[i] * scale;
-            }
+        for (int i = 0; i < ATT_POS * PT * ATT_KT / MEMRA_BLOCK; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK, pos = ps[e / ATT_KT], k = k0 + e % ATT_KT;
+            c[i] = pos >= 0 && k < R ? latent[(long long)pos * R + k] : 0.0f;
         }
     }
+};
+
+// grid (ceil(W / (ATT_POS * PT)), t), block MEMRA_BLOCK. Thread (hq = tid / 16, pl = tid % 16)
+// holds heads 4 hq .. 4 hq + 3 of the pass and positions pl + 16 i (i < PT) of the tile. PT
+// only tiles: every score is the same serial dot, so PT may follow t.
+template <int PT>
+__device__ void mla_scores_tile(const float* q, const float* latent, const int* positions,
+                                float* scores, int H, int R, int W, float scale) {
+    constexpr int SP = ATT_POS * PT;
+    __shared__ __align__(16) float qs[ATT_KT][ATT_HEADS + 4];  // +4: float4 rows, fewer clashes
+    __shared__ float cs[ATT_KT][SP + 1];                       // +1: the transposing stores spread
+    __shared__ int ps[SP];
+    const int r = blockIdx.y, j0 = blockIdx.x * SP, hq = threadIdx.x / 16, pl = threadIdx.x % 16;
+    const int* pos = positions + (long long)r * W;
+    const float* qr = q + (long long)r * H * R;
+    if (threadIdx.x < SP) ps[threadIdx.x] = j0 + (int)threadIdx.x < W ? pos[j0 + threadIdx.x] : -1;
+    __syncthreads();
+    ScoreLoads<PT> next;
+    for (int h0 = 0; h0 < H; h0 += ATT_HEADS) {
+        float acc[4][PT];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int i = 0; i < PT; ++i) acc[a][i] = 0.0f;
+        next.load(qr, latent, ps, H, R, h0, 0);
+        for (int k0 = 0; k0 < R; k0 += ATT_KT) {
+            __syncthreads();  // the previous step is done with the tiles
+#pragma unroll
+            for (int i = 0; i < ATT_HEADS * ATT_KT / MEMRA_BLOCK; ++i) {
+                const int e = threadIdx.x + i * MEMRA_BLOCK;
+                qs[e % ATT_KT][e / ATT_KT] = next.q[i];
+            }
+#pragma unroll
+            for (int i = 0; i < SP * ATT_KT / MEMRA_BLOCK; ++i) {
+                const int e = threadIdx.x + i * MEMRA_BLOCK;
+                cs[e % ATT_KT][e / ATT_KT] = next.c[i];
+            }
+            __syncthreads();
+            if (k0 + ATT_KT < R) next.load(qr, latent, ps, H, R, h0, k0 + ATT_KT);  // in flight meanwhile
+            const int kn = min(ATT_KT, R - k0);
+            for (int k = 0; k < kn; ++k) {
+                const float4 qv = *reinterpret_cast<const float4*>(&qs[k][4 * hq]);
+#pragma unroll
+                for (int i = 0; i < PT; ++i) {
+                    const float c = cs[k][pl + 16 * i];
+                    acc[0][i] = acc[0][i] + qv.x * c;
+                    acc[1][i] = acc[1][i] + qv.y * c;
+                    acc[2][i] = acc[2][i] + qv.z * c;
+                    acc[3][i] = acc[3][i] + qv.w * c;
+                }
+            }
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int i = 0; i < PT; ++i) {
+                const int h = h0 + 4 * hq + a, jj = pl + 16 * i;
+                if (h < H && ps[jj] >= 0) scores[((long long)r * H + h) * W + j0 + jj] = acc[a][i] * scale;
+            }
+    }
+}
+
+extern "C" __global__ void mla_scores_p1(const float* q, const float* latent, const int* positions,
+                                         float* scores, int H, int R, int W, float scale) {
+    mla_scores_tile<1>(q, latent, positions, scores, H, R, W, scale);
+}
+
+extern "C" __global__ void mla_scores_p2(const float* q, const float* latent, const int* positions,
+                                         float* scores, int H, int R, int W, float scale) {
+    mla_scores_tile<2>(q, latent, positions, scores, H, R, W, scale);
 }
 
 // grid (t * H), block MEMRA_BLOCK: scores -> probabilities in place; invalid entries get 0.
@@ -186,43 +239,103 @@ extern "C" __global__ void mla_softmax(float* scores, const int* positions, int 
     for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK) s[j] = s[j] / sum;
 }
 
-// MIX_HEADS heads per mla_mix block: one latent read serves MIX_HEADS accumulators.
-#define MIX_SPAN 32  // list entries per warp turn; warp w takes turns w, w + 8, w + 16, ...
-static_assert(MIX_CHANNELS == 32, "mla_mix: one channel per lane");
-static_assert(WARPS_PER_BLOCK == MIX_HEADS, "mla_mix: the combine gives each warp one head");
+// One mla_mix step's loads: the probabilities of heads h0.. and the latent channels kb.. of
+// entries j0..j0+MIX_STEP (entry e of the split at ps[e]).
+struct MixLoads {
+    float p[ATT_HEADS * MIX_STEP / MEMRA_BLOCK];
+    float c[MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK];
 
-// grid (ceil(R / MIX_CHANNELS), ceil(H / MIX_HEADS), t), block MEMRA_BLOCK: lane = channel k,
-// warp = a fixed share of the list (a split size of MIX_SPAN entries, never a split count). The
-// 8 warp partials are added in warp order. Invalid entries have p = 0 and read a zero row value.
-extern "C" __global__ void mla_mix(const float* probs, const float* latent, const int* positions,
-                                   float* out, int H, int R, int W) {
-    __shared__ float part[WARPS_PER_BLOCK][MIX_HEADS][MIX_CHANNELS];
-    const int r = blockIdx.z, h0 = blockIdx.y * MIX_HEADS, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int k = blockIdx.x * MIX_CHANNELS + lane;
-    const int* pos = positions + (long long)r * W;
-    const float* p = probs + ((long long)r * H + h0) * W;
-    const int nh = min(MIX_HEADS, H - h0);
-    float acc[MIX_HEADS];
+    __device__ void load(const float* pr, const float* latent, const int* ps, int H, int R, int W,
+                         int h0, int kb, int j0, int e0) {
 #pragma unroll
-    for (int i = 0; i < MIX_HEADS; ++i) acc[i] = 0.0f;
-    for (int j0 = warp * MIX_SPAN; j0 < W; j0 += WARPS_PER_BLOCK * MIX_SPAN) {
-        const int n = min(MIX_SPAN, W - j0);
-#pragma unroll 8
-        for (int e = 0; e < n; ++e) {
-            const int c = pos[j0 + e];
-            const float v = c >= 0 && k < R ? latent[(long long)c * R + k] : 0.0f;
+        for (int i = 0; i < ATT_HEADS * MIX_STEP / MEMRA_BLOCK; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / MIX_STEP, j = j0 + e % MIX_STEP;
+            p[i] = h < H && j < W ? pr[(long long)h * W + j] : 0.0f;
+        }
 #pragma unroll
-            for (int i = 0; i < MIX_HEADS; ++i)
-                if (i < nh) acc[i] = acc[i] + p[(long long)i * W + j0 + e] * v;
+        for (int i = 0; i < MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK, pos = ps[e0 + e / MIX_CHANNELS];
+            const int k = kb + e % MIX_CHANNELS;
+            c[i] = pos >= 0 && k < R ? latent[(long long)pos * R + k] : 0.0f;
         }
     }
-#pragma unroll
-    for (int i = 0; i < MIX_HEADS; ++i) part[warp][i][lane] = acc[i];
+};
+
+// grid (ceil(R / MIX_CHANNELS), ceil(W / split), t), block MEMRA_BLOCK: the partial sums of
+// split s = blockIdx.y over its entries in order; split <= MIX_SPLIT, a multiple of MIX_STEP.
+// Thread (warp w, lane l) holds heads 8 w .. 8 w + 7 of the pass and channels kb + 4 l .. + 3.
+extern "C" __global__ void mla_mix(const float* probs, const float* latent, const int* positions,
+                                   float* part, int H, int R, int W, int split) {
+    __shared__ __align__(16) float cs[MIX_STEP][MIX_CHANNELS];
+    __shared__ __align__(16) float pt[MIX_STEP][ATT_HEADS + 4];  // +4: float4 rows, fewer clashes
+    __shared__ int ps[MIX_SPLIT];
+    const int r = blockIdx.z, s = blockIdx.y, kb = blockIdx.x * MIX_CHANNELS;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, js = s * split;
+    const int jn = min(split, W - js);
+    const int* pos = positions + (long long)r * W;
+    const float* pr = probs + (long long)r * H * W;
+    if (threadIdx.x < MIX_SPLIT) ps[threadIdx.x] = (int)threadIdx.x < jn ? pos[js + threadIdx.x] : -1;
     __syncthreads();
-    const int i = warp;
-    if (i < nh && k < R) {
-        float sum = part[0][i][lane];
-        for (int w = 1; w < WARPS_PER_BLOCK; ++w) sum += part[w][i][lane];
-        out[((long long)r * H + h0 + i) * R + k] = sum;
+    MixLoads next;
+    for (int h0 = 0; h0 < H; h0 += ATT_HEADS) {
+        float acc[8][4];
+#pragma unroll
+        for (int a = 0; a < 8; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) acc[a][b] = 0.0f;
+        next.load(pr, latent, ps, H, R, W, h0, kb, js, 0);
+        for (int e0 = 0; e0 < jn; e0 += MIX_STEP) {
+            __syncthreads();  // the previous step is done with the tiles
+#pragma unroll
+            for (int i = 0; i < ATT_HEADS * MIX_STEP / MEMRA_BLOCK; ++i) {
+                const int e = threadIdx.x + i * MEMRA_BLOCK;
+                pt[e % MIX_STEP][e / MIX_STEP] = next.p[i];
+            }
+#pragma unroll
+            for (int i = 0; i < MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK; ++i) {
+                const int e = threadIdx.x + i * MEMRA_BLOCK;
+                cs[e / MIX_CHANNELS][e % MIX_CHANNELS] = next.c[i];
+            }
+            __syncthreads();
+            const int e1 = e0 + MIX_STEP;
+            if (e1 < jn) next.load(pr, latent, ps, H, R, W, h0, kb, js + e1, e1);  // in flight meanwhile
+            const int en = min(MIX_STEP, jn - e0);
+            for (int e = 0; e < en; ++e) {
+                const float4 c = *reinterpret_cast<const float4*>(&cs[e][4 * lane]);
+                const float4 pa = *reinterpret_cast<const float4*>(&pt[e][8 * warp]);
+                const float4 pb = *reinterpret_cast<const float4*>(&pt[e][8 * warp + 4]);
+                const float p[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+#pragma unroll
+                for (int a = 0; a < 8; ++a) {
+                    acc[a][0] = acc[a][0] + p[a] * c.x;
+                    acc[a][1] = acc[a][1] + p[a] * c.y;
+                    acc[a][2] = acc[a][2] + p[a] * c.z;
+                    acc[a][3] = acc[a][3] + p[a] * c.w;
+                }
+            }
+        }
+        const int nsplit = (W + split - 1) / split;
+#pragma unroll
+        for (int a = 0; a < 8; ++a) {
+            const int h = h0 + 8 * warp + a;
+            if (h >= H) continue;
+            float* o = part + (((long long)r * nsplit + s) * H + h) * R;
+#pragma unroll
+            for (int b = 0; b < 4; ++b)
+                if (kb + 4 * lane + b < R) o[kb + 4 * lane + b] = acc[a][b];
+        }
     }
+}
+
+// grid blocks_of(t * H * R), thread = one output: the split partials added in split order.
+extern "C" __global__ void mla_mix_combine(const float* part, float* out, int t, int H, int R,
+                                           int nsplit) {
+    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long hr = (long long)H * R;
+    if (id >= t * hr) return;
+    const long long r = id / hr;
+    const float* p = part + r * nsplit * hr + (id - r * hr);
+    float sum = p[0];
+    for (int s = 1; s < nsplit; ++s) sum += p[s * hr];
+    out[id] = sum;
 }

@@ -6,6 +6,9 @@ P = 4 and index_topk 8 (2 pools). Selections (positions) are compared exactly, o
 until every deciding score gap clears a margin, so no near-tie can flip a choice; exact ties get
 their own test (the lower pool wins). Red arms: every row selecting as if it sat at the walk's
 last position (no causal step) fails the row gate, and a one-ulp change of one row is caught.
+Attention also runs on drawn lists (`_mla_lists`) past the kernels' tile edges: heads past one
+pass of 64, channels past one mix tile of 128, widths off every tile, -1 padding, rows with
+their own lists; the bench shape at t = 1, 8, 15; a mix split that follows t is caught.
 The rest pins the positions read from a device buffer (what a captured walk replays).
 Run on the GPU host: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/backend/test_cuda_mla.py
 """
@@ -21,6 +24,7 @@ pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
 from memra.backend.cuda.mla import MlaOps  # noqa: E402
+from memra.kernels_cu.constants import MIX_SPLIT, MIX_STEP  # noqa: E402
 from memra.backend.cuda.runtime import position  # noqa: E402
 from memra.backend.numpy_ref import NumpyBackend  # noqa: E402
 from tests.backend.harness import NUMPY, T_MAX, OpGates, RedArm, table  # noqa: E402
@@ -89,6 +93,19 @@ def _mla(h, rank, pos0):
     return make, lambda be, r, s: be.mla_attend(r["q_lat"], s["latent"], r["positions"], F32(rank ** -0.5))
 
 
+def _mla_lists(h, rank, width, plane):
+    """Attention on drawn lists: each row its own ascending positions, the first row full, the
+    others -1 padded after at least one valid entry (the indexer's layout)."""
+    def make(rng, t):
+        pos = np.full((t, width), -1, np.int32)
+        for r in range(t):
+            n = width if r == 0 else int(rng.integers(1, width + 1))
+            pos[r, :n] = np.sort(rng.choice(plane, n, replace=False))
+        rows = {"q_lat": normal(rng, (t, h, rank)), "positions": pos}
+        return rows, {"latent": normal(rng, (plane, rank))}
+    return make, lambda be, r, s: be.mla_attend(r["q_lat"], s["latent"], r["positions"], F32(rank ** -0.5))
+
+
 case = table(TOL)
 CASES = [
     case("kpool_compress_mini", *_compress(8), ts=(1, 7, 15, 16)),
@@ -104,6 +121,11 @@ CASES = [
     case("mla_attend_small", *_mla(4, 32, 49)),
     case("mla_attend_small_from_3", *_mla(4, 32, 3)),
     case("mla_attend_odd_dense", *_mla(3, 67, 0), ts=(1, 7, 13, 15)),
+    # tile edges: 70 heads (two passes), 200 channels (two mix tiles, not a multiple of 32),
+    # 150 entries (three mix splits, the last short; scores tiles of 16 and 32 both partial)
+    case("mla_attend_tile_edges", *_mla_lists(70, 200, 150, 300), ts=(1, 3, 4, 8, 15)),
+    case("mla_attend_one_split", *_mla_lists(5, 33, MIX_SPLIT, 80), ts=(1, 4, 15)),
+    case("mla_attend_bench_shape", *_mla_lists(64, 512, 2048 + 15, 4096), ts=(1, 8, 15)),
     # prime class: dense GEMMs under the selection's mask (backend/cuda/prime.py)
     case("mla_attend_prime", *_mla(4, 32, 3), gates=frozenset({NUMPY}), ts=(16, 40)),
     case("mla_attend_prime_dense", *_mla(3, 67, 0), gates=frozenset({NUMPY}), ts=(40,)),
@@ -120,6 +142,15 @@ class _EveryRowAtTheLastPosition(MlaOps):
                                for r in range(q.shape[0])])
 
 
+class _MixSplitFollowsRows(MlaOps):
+    """The mutation: the mix splits its lists by a size that shrinks as rows are added (as if
+    sized to fill the GPU), so a row's sum order depends on t."""
+
+    def mla_attend(self, q_lat, latent, positions, scale):
+        self._mix_split = MIX_SPLIT if q_lat.shape[0] == 1 else MIX_STEP
+        return super().mla_attend(q_lat, latent, positions, scale)
+
+
 def _case(name):
     return next(c for c in CASES if c.name == name)
 
@@ -128,8 +159,11 @@ class TestMlaOps(OpGates):
     ops, tol, cases = MlaOps, TOL, CASES
     untabled = ("kpool_finalize",)  # a plane write: test_kpool_finalize_* below
     red_arms = (RedArm("kpool_select_rows_at_the_last_position", _case("kpool_select_small_sparse"),
-                       _EveryRowAtTheLastPosition),)
-    ulp_cases = ("mla_attend_small", "kpool_compress_small", "kpool_select_small_sparse")
+                       _EveryRowAtTheLastPosition),
+                RedArm("mla_attend_mix_split_follows_rows", _case("mla_attend_tile_edges"),
+                       _MixSplitFollowsRows))
+    ulp_cases = ("mla_attend_small", "mla_attend_tile_edges", "kpool_compress_small",
+                 "kpool_select_small_sparse")
 
 
 def test_kpool_select_exact_ties_go_to_the_lower_pool():

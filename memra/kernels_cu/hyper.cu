@@ -126,32 +126,37 @@ extern "C" __global__ void hc_partials(const float* __restrict__ streams, const 
     }
 }
 
-// grid (t), block 32: one warp per row, the mixing matrix in its registers (hc_entry). base
+// grid (t), block 32: one warp per row, the mixing matrix in its lanes' registers (hc_mix). base
 // [(2+n)n]; scale [3]. Outputs pre [t, n], post [t, n], comb [t, n, n], in the reference's
 // operation order.
 extern "C" __global__ void hc_weights(const float* __restrict__ part, const float* __restrict__ base,
                                       const float* __restrict__ scale, float* __restrict__ pre,
                                       float* __restrict__ post, float* __restrict__ comb, int n,
                                       int d, int chunks, float rms_eps, float hc_eps, int iters) {
-    __shared__ float m[HC_MAX_OUTS + 1];
+    // m and the base logits in shared memory: the epilogue's serial loops would otherwise wait
+    // on a global load per term
+    __shared__ float m[HC_MAX_OUTS + 1], bs[HC_MAX_OUTS];
     const int r = blockIdx.x, outs = (2 + n) * n, lane = threadIdx.x;
     const float* p = part + (long long)r * chunks * (outs + 1);
     for (int j = lane; j <= outs; j += 32) {
         float sum = p[j];
+#pragma unroll 8
         for (int k = 1; k < chunks; ++k) sum += p[(long long)k * (outs + 1) + j];
         m[j] = sum;
+        if (j < outs) bs[j] = base[j];
     }
+    const float s0 = scale[0], s1 = scale[1], s2 = scale[2];
     __syncwarp();
     const float inv = 1.0f / sqrtf(m[outs] / (float)(n * d) + rms_eps);
     if (lane < n) {
-        pre[r * n + lane] = sigmoidf_stable(m[lane] * inv * scale[0] + base[lane]) + hc_eps;
-        post[r * n + lane] = 2.0f * sigmoidf_stable(m[n + lane] * inv * scale[1] + base[n + lane]);
+        pre[r * n + lane] = sigmoidf_stable(m[lane] * inv * s0 + bs[lane]) + hc_eps;
+        post[r * n + lane] = 2.0f * sigmoidf_stable(m[n + lane] * inv * s1 + bs[n + lane]);
     }
     float* comb_row = comb + (long long)r * n * n;
     if (n == 4)
-        hc_mix<4>(m, base, scale[2], inv, comb_row, 4, hc_eps, iters, lane);
+        hc_mix<4>(m, bs, s2, inv, comb_row, 4, hc_eps, iters, lane);
     else
-        hc_mix<HC_MAX_N>(m, base, scale[2], inv, comb_row, n, hc_eps, iters, lane);
+        hc_mix<HC_MAX_N>(m, bs, s2, inv, comb_row, n, hc_eps, iters, lane);
 }
 
 // The per-channel kernels below: grid (ceil(D / block), min(t, 65535)), thread k of a row,

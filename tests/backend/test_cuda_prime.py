@@ -35,10 +35,14 @@ from memra.backend.cuda.dense import DenseOps  # noqa: E402
 from memra.limits import VERIFY_CAP  # noqa: E402
 from memra.safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: E402
 from tests.backend.inputs import attend_case, attend_reference, normal  # noqa: E402
-from tests.backend.test_prime_pieces import ATTEND_REL, SCALE, without  # noqa: E402
+from tests.backend.test_prime_pieces import SCALE, without  # noqa: E402
 
 PRIME_REL = 4e-6      # max |y - y64| / rms(y64): float32 products, float32 sums (~64 ulps)
 PRIME_LOGITS = 2e-4   # max |prime - exact| / max |exact| over the last row's logits
+# The prime attention's error against float64, as a multiple of the error of the float32-GEMM
+# attention it replaces (on the same inputs, this GPU): tensor cores add their products with
+# less care than a float32 FMA chain, but must stay at a float32 GEMM's level
+ATTEND_VS_SGEMM = 2.0
 
 
 def _inputs(t, n_in, n_out, seed=0):
@@ -51,7 +55,7 @@ def _inputs(t, n_in, n_out, seed=0):
 
 def _rel_error(got, want) -> float:
     err = float(np.abs(cp.asnumpy(got) - want).max() / np.sqrt(np.mean(want ** 2)))
-    print(f"projection error {err:.3e} of the outputs' rms")
+    print(f"error {err:.3e} of the outputs' rms")
     return err
 
 
@@ -95,11 +99,31 @@ def test_prime_head_projection_is_float32_accurate():
     assert got.shape == (40, 64, 512) and _rel_error(got, want) <= PRIME_REL
 
 
+def _sgemm_attend(q, latent, positions, scale):
+    """The absorbed attention as float32 GEMMs (cupy.matmul) around a masked softmax: the
+    accuracy the tensor-core form is held to."""
+    t, h, rank = q.shape
+    ctx = int(positions.max()) + 1
+    keep = np.zeros((t, ctx), bool)
+    for i, row in enumerate(positions):
+        keep[i, row[row >= 0]] = True
+    lat, kept = cp.asarray(latent[:ctx]), cp.asarray(keep)[:, None, :]
+    s = cp.matmul(cp.asarray(q).reshape(t * h, rank), lat.T).reshape(t, h, ctx) * cp.float32(scale)
+    s = cp.where(kept, s, -cp.inf)
+    top = cp.max(s, axis=2, keepdims=True)
+    e = cp.where(kept, cp.exp(s - cp.where(cp.isfinite(top), top, 0)), 0).astype(cp.float32)
+    total = e.sum(axis=2, keepdims=True)
+    p = cp.where(total > 0, e / cp.where(total > 0, total, 1), 0).astype(cp.float32)
+    return cp.matmul(p.reshape(t * h, ctx), lat).reshape(t, h, rank)
+
+
 @pytest.fixture(scope="module")
 def bench_attention():
-    """40 rows ending a 2000-position context, 64 heads, rank 512, 30% of positions skipped."""
+    """40 rows ending a 2000-position context, 64 heads, rank 512, 30% of positions skipped;
+    with the bound: ATTEND_VS_SGEMM times the float32-GEMM attention's error."""
     q, latent, positions = attend_case(np.random.default_rng(11), 40, 64, 512, 2000)
-    return q, latent, positions, attend_reference(q, latent, positions, SCALE)
+    want = attend_reference(q, latent, positions, SCALE)
+    return q, latent, positions, want, ATTEND_VS_SGEMM * _rel_error(_sgemm_attend(q, latent, positions, SCALE), want)
 
 
 def _attend(q, latent, positions):
@@ -110,18 +134,18 @@ def _attend(q, latent, positions):
 
 
 def test_prime_attention_is_float32_accurate(bench_attention, monkeypatch):
-    q, latent, positions, want = bench_attention
+    q, latent, positions, want, bound = bench_attention
     monkeypatch.setattr(prime, "ATTEND_ROWS", 16)  # three chunks, each its own padded context
     got = _attend(q, latent, positions)
     assert not got[-1].any()  # the row listing nothing attends nothing
-    assert _rel_error(got, want) <= ATTEND_REL
+    assert _rel_error(got, want) <= bound
 
 
 @pytest.mark.parametrize("product", [(2, 0), (1, 1), (0, 2)], ids=["lo_hi", "mid_mid", "hi_lo"])
 def test_red_arm_a_dropped_attention_product_breaks_the_bound(bench_attention, monkeypatch, product):
-    q, latent, positions, want = bench_attention
+    q, latent, positions, want, bound = bench_attention
     monkeypatch.setattr(prime, "SEGMENTS", without(product))
-    assert _rel_error(_attend(q, latent, positions), want) > ATTEND_REL
+    assert _rel_error(_attend(q, latent, positions), want) > bound
 
 
 def test_a_long_prompts_experts_go_in_row_chunks(monkeypatch):

@@ -115,7 +115,7 @@ static __device__ __forceinline__ void columns_to_rows(float* tile, const float*
 // so a rollback to the first r + 1 rows is a copy instead of a replay.
 // SLOTS: S entries each lane holds (ceil(dk / 32) rounded up to a kernel below); more slots
 // than dk needs only idle, so every instantiation does a given dk's arithmetic alike.
-template <int SLOTS, bool DECAYED>
+template <int SLOTS>
 static __device__ void kda_rows(const float* __restrict__ q, const float* __restrict__ k,
                                 const float* __restrict__ v, const float* __restrict__ g,
                                 const float* __restrict__ beta, float* __restrict__ state,
@@ -167,7 +167,7 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
             for (int m = 0; m < SLOTS; ++m) {
                 const int i = lane + 32 * m;
                 if (i < dk) {
-                    s[m] = s[m] * (DECAYED ? gg[m] : expf(gg[m]));
+                    s[m] = s[m] * expf(gg[m]);
                     ks += kk[m] * s[m];
                 }
             }
@@ -190,27 +190,16 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
     columns_to_rows<SLOTS>(tile, s, state + head, dk, dv, width, active);
 }
 
-#define KDA_RECURRENCE(NAME, SLOTS, DECAYED)                                                         \
+#define KDA_RECURRENCE(NAME, SLOTS)                                                         \
     extern "C" __global__ void NAME(const float* __restrict__ q, const float* __restrict__ k,         \
                                     const float* __restrict__ v, const float* __restrict__ g,         \
                                     const float* __restrict__ beta, float* __restrict__ state,        \
                                     float* __restrict__ out, int t, int hk, int dk, int dv,           \
                                     float* __restrict__ rows, long long row_stride) {                 \
-        kda_rows<SLOTS, DECAYED>(q, k, v, g, beta, state, out, t, hk, dk, dv, rows, row_stride);    \
+        kda_rows<SLOTS>(q, k, v, g, beta, state, out, t, hk, dk, dv, rows, row_stride);    \
     }
-KDA_RECURRENCE(kda_recurrence_s4, 4, false)             // dk <= 128 (every KDA checkpoint so far)
-KDA_RECURRENCE(kda_recurrence, KDA_MAX_DK / 32, false)  // up to KDA_MAX_DK
-// A prompt's rows (prime class) take g as exp(g), made once per element by kda_decay instead
-// of once per element and value column: the same expf, so the same bits.
-KDA_RECURRENCE(kda_recurrence_s4_decayed, 4, true)
-KDA_RECURRENCE(kda_recurrence_decayed, KDA_MAX_DK / 32, true)
-
-extern "C" __global__ void kda_decay(const float* __restrict__ g, float* __restrict__ out, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x)
-        out[i] = expf(g[i]);
-}
-
+KDA_RECURRENCE(kda_recurrence_s4, 4)             // dk <= 128 (every KDA checkpoint so far)
+KDA_RECURRENCE(kda_recurrence, KDA_MAX_DK / 32)  // up to KDA_MAX_DK
 // short_conv for a prompt (prime class): the rows split into spans of KDA_CONV_SPAN, a thread
 // per (channel, span), each output's taps in the same order as short_conv (so the same bits).
 // The ring is only read: the wrapper copies the last K-1 rows of x into it afterwards.

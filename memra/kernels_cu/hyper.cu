@@ -11,73 +11,17 @@ static __device__ __forceinline__ float hc_warp_sum(float v) {
     return v;
 }
 
-// hc_weights' mixing matrix: every lane of the row's warp holds the whole n x n matrix c in
-// registers (loops run to N, unrolled, skipping entries past n; N = n = 4, the release's streams,
-// compiles to the live entries only). A pass c[a][b] /= (sum of its column + eps), or of its row,
-// adds each sum in ascending order; lane e divides entry e alone (a division is a branchy
-// sequence that does not overlap its neighbours) and the new entries go to every lane by shuffles.
-static_assert(HC_MAX_N * HC_MAX_N <= 64, "hc_normalise: at most two entries per lane");
-template <int N>
-static __device__ __forceinline__ void hc_normalise(float (&c)[N][N], int n, bool columns, float eps, int lane) {
-    constexpr int PER_LANE = (N * N + 31) / 32;
-    float den[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        float s = columns ? c[0][i] : c[i][0];
-#pragma unroll
-        for (int j = 1; j < N; ++j)
-            if (j < n) s += columns ? c[j][i] : c[i][j];
-        den[i] = s + eps;
+// Thread (a, b) of the n x n mixing matrix c (shared): c[a, b] /= (sum of its column + eps),
+// or of its row; every thread of a column (row) adds it in ascending order, the same bits.
+static __device__ void hc_normalise(float* c, int n, int a, int b, bool columns, float eps) {
+    float s = 0.0f;
+    if (a < n) {
+        s = columns ? c[b] : c[a * n];
+        for (int i = 1; i < n; ++i) s += columns ? c[i * n + b] : c[a * n + i];
     }
-    float mine[PER_LANE];
-#pragma unroll
-    for (int h = 0; h < PER_LANE; ++h) {
-        const int e = lane + 32 * h, a = e / n, b = e % n, k = columns ? b : a;
-        float x = 0.0f, d = 1.0f;  // lane e's entry and its sum, picked without indexing registers
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-            if (i == k) d = den[i];
-#pragma unroll
-            for (int j = 0; j < N; ++j)
-                if (i == a && j == b) x = c[i][j];
-        }
-        mine[h] = e < n * n ? x / d : 0.0f;
-    }
-#pragma unroll
-    for (int a = 0; a < N; ++a)
-#pragma unroll
-        for (int b = 0; b < N; ++b) {
-            const int e = a * n + b;  // uniform across the warp, as the guard is
-            if (a < n && b < n) c[a][b] = __shfl_sync(0xffffffffu, e < 32 ? mine[0] : mine[PER_LANE - 1], e % 32);
-        }
-}
-
-// comb_row [n, n] = Sinkhorn(row softmax of the logits + eps), from m (the normalised partials).
-template <int N>
-static __device__ __forceinline__ void hc_mix(const float* m, const float* base, float scale, float inv,
-                                              float* comb_row, int n, float eps, int iters, int lane) {
-    float c[N][N];
-#pragma unroll
-    for (int a = 0; a < N; ++a) {  // each row walked in order
-        const float* mc = m + 2 * n + a * n;
-        const float* bc = base + 2 * n + a * n;
-        float mx = neg_inf(), s = 0.0f;
-        for (int i = 0; i < n && a < n; ++i) mx = fmaxf(mx, mc[i] * inv * scale + bc[i]);
-        for (int i = 0; i < n && a < n; ++i) s += expf(mc[i] * inv * scale + bc[i] - mx);
-#pragma unroll
-        for (int b = 0; b < N; ++b)
-            c[a][b] = a < n && b < n ? expf(mc[b] * inv * scale + bc[b] - mx) / s + eps : 0.0f;
-    }
-    hc_normalise(c, n, true, eps, lane);
-    for (int it = 1; it < iters; ++it) {
-        hc_normalise(c, n, false, eps, lane);
-        hc_normalise(c, n, true, eps, lane);
-    }
-#pragma unroll
-    for (int a = 0; a < N; ++a)
-#pragma unroll
-        for (int b = 0; b < N; ++b)
-            if (a < n && b < n && (a * n + b) % 32 == lane) comb_row[a * n + b] = c[a][b];
+    __syncthreads();  // every sum is read before any entry changes
+    if (a < n) c[a * n + b] = c[a * n + b] / (s + eps);
+    __syncthreads();
 }
 
 // Site weights in two launches, so the (2+n)n x nD matvec spreads over many blocks instead of
@@ -126,37 +70,45 @@ extern "C" __global__ void hc_partials(const float* __restrict__ streams, const 
     }
 }
 
-// grid (t), block 32: one warp per row, the mixing matrix in its lanes' registers (hc_mix). base
-// [(2+n)n]; scale [3]. Outputs pre [t, n], post [t, n], comb [t, n, n], in the reference's
-// operation order.
+// grid (t), block HC_MAX_N^2: thread (a, b) = (tid / n, tid % n). base [(2+n)n]; scale [3].
+// Outputs pre [t, n], post [t, n], comb [t, n, n], in the reference's operation order.
 extern "C" __global__ void hc_weights(const float* __restrict__ part, const float* __restrict__ base,
                                       const float* __restrict__ scale, float* __restrict__ pre,
                                       float* __restrict__ post, float* __restrict__ comb, int n,
                                       int d, int chunks, float rms_eps, float hc_eps, int iters) {
-    // m and the base logits in shared memory: the epilogue's serial loops would otherwise wait
-    // on a global load per term
-    __shared__ float m[HC_MAX_OUTS + 1], bs[HC_MAX_OUTS];
-    const int r = blockIdx.x, outs = (2 + n) * n, lane = threadIdx.x;
+    __shared__ float m[HC_MAX_OUTS + 1];
+    __shared__ float c[HC_MAX_N * HC_MAX_N];
+    const int r = blockIdx.x, outs = (2 + n) * n, a = threadIdx.x / n, b = threadIdx.x % n;
     const float* p = part + (long long)r * chunks * (outs + 1);
-    for (int j = lane; j <= outs; j += 32) {
+    for (int j = threadIdx.x; j <= outs; j += blockDim.x) {
         float sum = p[j];
-#pragma unroll 8
         for (int k = 1; k < chunks; ++k) sum += p[(long long)k * (outs + 1) + j];
         m[j] = sum;
-        if (j < outs) bs[j] = base[j];
     }
-    const float s0 = scale[0], s1 = scale[1], s2 = scale[2];
-    __syncwarp();
+    __syncthreads();
     const float inv = 1.0f / sqrtf(m[outs] / (float)(n * d) + rms_eps);
-    if (lane < n) {
-        pre[r * n + lane] = sigmoidf_stable(m[lane] * inv * s0 + bs[lane]) + hc_eps;
-        post[r * n + lane] = 2.0f * sigmoidf_stable(m[n + lane] * inv * s1 + bs[n + lane]);
+    if (threadIdx.x < n) {
+        const int i = threadIdx.x;
+        pre[r * n + i] = sigmoidf_stable(m[i] * inv * scale[0] + base[i]) + hc_eps;
+        post[r * n + i] = 2.0f * sigmoidf_stable(m[n + i] * inv * scale[1] + base[n + i]);
     }
-    float* comb_row = comb + (long long)r * n * n;
-    if (n == 4)
-        hc_mix<4>(m, bs, s2, inv, comb_row, 4, hc_eps, iters, lane);
-    else
-        hc_mix<HC_MAX_N>(m, bs, s2, inv, comb_row, n, hc_eps, iters, lane);
+    // c = row softmax of the logits + eps: each thread of row a walks the row in order
+    if (a < n) {
+        const float* mc = m + 2 * n + a * n;
+        const float* bc = base + 2 * n + a * n;
+        float mx = __int_as_float(0xff800000);  // -inf (no host math.h under NVRTC)
+        for (int i = 0; i < n; ++i) mx = fmaxf(mx, mc[i] * inv * scale[2] + bc[i]);
+        float s = 0.0f;
+        for (int i = 0; i < n; ++i) s += expf(mc[i] * inv * scale[2] + bc[i] - mx);
+        c[a * n + b] = expf(mc[b] * inv * scale[2] + bc[b] - mx) / s + hc_eps;
+    }
+    __syncthreads();
+    hc_normalise(c, n, a, b, true, hc_eps);
+    for (int it = 1; it < iters; ++it) {
+        hc_normalise(c, n, a, b, false, hc_eps);
+        hc_normalise(c, n, a, b, true, hc_eps);
+    }
+    if (a < n) comb[(long long)r * n * n + a * n + b] = c[a * n + b];
 }
 
 // The per-channel kernels below: grid (ceil(D / block), min(t, 65535)), thread k of a row,

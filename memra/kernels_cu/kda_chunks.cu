@@ -26,7 +26,7 @@ static __device__ __forceinline__ float chunk_warp_sum(float v) {
 // q, k, g [t, Hk, dk]; v [t, Hk, dv]; beta [t, Hk]. Grid (chunks of the span, Hk), MEMRA_BLOCK
 // threads. G (the chunk's cumulative g) is kept as hi + lo by two-sum, so a difference G_r - G_j
 // is accurate relative to itself, not to |G|; every exponent is <= 0.
-extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 2)
+extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 3)
 kda_chunk_prep(const float* __restrict__ q, const float* __restrict__ k,
                                           const float* __restrict__ v, const float* __restrict__ g,
                                           const float* __restrict__ beta, float* __restrict__ w,
@@ -80,25 +80,29 @@ kda_chunk_prep(const float* __restrict__ q, const float* __restrict__ k,
     for (int idx = threadIdx.x; idx < CH * CH; idx += blockDim.x)
         if (idx % CH > idx / CH) qm[piece * CH * CH + idx] = 0.0f;
     __syncthreads();
-    // W and U0 by forward substitution, a thread per column: X_r = beta_r B_r - sum_j<r A[r, j] X_j
+    // W and U0 by forward substitution, a thread per column: X_r = beta_r B_r - sum_j<r A[r, j] X_j.
+    // B is read whole first (its loads fly together), then solved in place.
     for (int col = threadIdx.x; col < dk + dv; col += blockDim.x) {
-        const bool key = col < dk;
         float x[CH];
+        if (col < dk) {
+#pragma unroll
+            for (int r = 0; r < CH; ++r) x[r] = expf(hi[r][col]) * (1.0f + lo[r][col]) * sk[r][col];
+        } else {
+#pragma unroll
+            for (int r = 0; r < CH; ++r) x[r] = r < n ? v[at(r, dv) + (col - dk)] : 0.0f;
+        }
 #pragma unroll
         for (int r = 0; r < CH; ++r) {
-            float b;
-            if (key) b = expf(hi[r][col]) * (1.0f + lo[r][col]) * sk[r][col];
-            else b = r < n ? v[at(r, dv) + (col - dk)] : 0.0f;
-            float acc = sb[r] * b;
+            float acc = sb[r] * x[r];
 #pragma unroll
             for (int j = 0; j < r; ++j) acc = fmaf(-sa[r][j], x[j], acc);
             x[r] = acc;
+            asm volatile("" ::: "memory");  // row by row: hoisting every A load spills
         }
+        float* dst = col < dk ? w + piece * CH * dk + col : u0 + piece * CH * dv + (col - dk);
+        const int stride = col < dk ? dk : dv;
 #pragma unroll
-        for (int r = 0; r < CH; ++r) {
-            if (key) w[(piece * CH + r) * dk + col] = x[r];
-            else u0[(piece * CH + r) * dv + (col - dk)] = x[r];
-        }
+        for (int r = 0; r < CH; ++r) dst[r * stride] = x[r];
     }
     for (int idx = threadIdx.x; idx < CH * dk; idx += blockDim.x) {
         const int r = idx / dk, d = idx % dk;

@@ -26,7 +26,7 @@ static __device__ __forceinline__ float chunk_warp_sum(float v) {
 // q, k, g [t, Hk, dk]; v [t, Hk, dv]; beta [t, Hk]. Grid (chunks of the span, Hk), MEMRA_BLOCK
 // threads. G (the chunk's cumulative g) is kept as hi + lo by two-sum, so a difference G_r - G_j
 // is accurate relative to itself, not to |G|; every exponent is <= 0.
-extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 2)
+extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 3)
 kda_chunk_prep(const float* __restrict__ q, const float* __restrict__ k,
                                           const float* __restrict__ v, const float* __restrict__ g,
                                           const float* __restrict__ beta, float* __restrict__ w,
@@ -80,25 +80,29 @@ kda_chunk_prep(const float* __restrict__ q, const float* __restrict__ k,
     for (int idx = threadIdx.x; idx < CH * CH; idx += blockDim.x)
         if (idx % CH > idx / CH) qm[piece * CH * CH + idx] = 0.0f;
     __syncthreads();
-    // W and U0 by forward substitution, a thread per column: X_r = beta_r B_r - sum_j<r A[r, j] X_j
+    // W and U0 by forward substitution, a thread per column: X_r = beta_r B_r - sum_j<r A[r, j] X_j.
+    // B is read whole first (its loads fly together), then solved in place.
     for (int col = threadIdx.x; col < dk + dv; col += blockDim.x) {
-        const bool key = col < dk;
         float x[CH];
+        if (col < dk) {
+#pragma unroll
+            for (int r = 0; r < CH; ++r) x[r] = expf(hi[r][col]) * (1.0f + lo[r][col]) * sk[r][col];
+        } else {
+#pragma unroll
+            for (int r = 0; r < CH; ++r) x[r] = r < n ? v[at(r, dv) + (col - dk)] : 0.0f;
+        }
 #pragma unroll
         for (int r = 0; r < CH; ++r) {
-            float b;
-            if (key) b = expf(hi[r][col]) * (1.0f + lo[r][col]) * sk[r][col];
-            else b = r < n ? v[at(r, dv) + (col - dk)] : 0.0f;
-            float acc = sb[r] * b;
+            float acc = sb[r] * x[r];
 #pragma unroll
             for (int j = 0; j < r; ++j) acc = fmaf(-sa[r][j], x[j], acc);
             x[r] = acc;
+            asm volatile("" ::: "memory");  // row by row: hoisting every A load spills
         }
+        float* dst = col < dk ? w + piece * CH * dk + col : u0 + piece * CH * dv + (col - dk);
+        const int stride = col < dk ? dk : dv;
 #pragma unroll
-        for (int r = 0; r < CH; ++r) {
-            if (key) w[(piece * CH + r) * dk + col] = x[r];
-            else u0[(piece * CH + r) * dv + (col - dk)] = x[r];
-        }
+        for (int r = 0; r < CH; ++r) dst[r * stride] = x[r];
     }
     for (int idx = threadIdx.x; idx < CH * dk; idx += blockDim.x) {
         const int r = idx / dk, d = idx % dk;
@@ -110,19 +114,56 @@ kda_chunk_prep(const float* __restrict__ q, const float* __restrict__ k,
         decay[piece * dk + d] = expf(hi[CH - 1][d]) * (1.0f + lo[CH - 1][d]);
 }
 
+// One chunk's pieces in a scan block's shared memory: W, Qtil, Khat rows [CH][MAX_DK], the
+// block's U0 columns [CH][TILE], Qm [CH][CH], decay [MAX_DK]. The scan holds two, so the next
+// chunk's copy (cp.async) flies while this one is used.
+constexpr int STAGE_W = 0, STAGE_Q = CH * MAX_DK, STAGE_K = 2 * CH * MAX_DK, STAGE_U = 3 * CH * MAX_DK;
+constexpr int STAGE_QM = STAGE_U + CH * TILE, STAGE_DECAY = STAGE_QM + CH * CH;
+constexpr int STAGE_FLOATS = STAGE_DECAY + MAX_DK;
+
+// 4 bytes global -> shared without a register; ok false writes a zero instead (padding)
+static __device__ __forceinline__ void copy_async(float* dst, const float* src, bool ok) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0));
+}
+
+static __device__ __forceinline__ void stage_chunk(float* st, const float* __restrict__ w,
+                                                   const float* __restrict__ u0, const float* __restrict__ qm,
+                                                   const float* __restrict__ qtil,
+                                                   const float* __restrict__ khat,
+                                                   const float* __restrict__ decay, long long piece, int c0,
+                                                   int dk, int dv) {
+    for (int idx = threadIdx.x; idx < CH * MAX_DK; idx += blockDim.x) {
+        const int r = idx / MAX_DK, d = idx % MAX_DK;
+        const bool ok = d < dk;
+        const long long src = ok ? (piece * CH + r) * dk + d : 0;
+        copy_async(st + STAGE_W + idx, w + src, ok);
+        copy_async(st + STAGE_Q + idx, qtil + src, ok);
+        copy_async(st + STAGE_K + idx, khat + src, ok);
+    }
+    for (int idx = threadIdx.x; idx < CH * TILE; idx += blockDim.x) {
+        const int r = idx / TILE, col = idx % TILE;
+        const bool ok = c0 + col < dv;
+        copy_async(st + STAGE_U + idx, u0 + (ok ? (piece * CH + r) * dv + c0 + col : 0), ok);
+    }
+    for (int idx = threadIdx.x; idx < CH * CH; idx += blockDim.x)
+        copy_async(st + STAGE_QM + idx, qm + piece * CH * CH + idx, true);
+    for (int d = threadIdx.x; d < MAX_DK; d += blockDim.x)
+        copy_async(st + STAGE_DECAY + d, decay + (d < dk ? piece * dk + d : 0), d < dk);
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
 // state [Hk, dk, dv] advances in place over the span's nc chunks; out [t, Hk, dv]. Grid
-// (ceil(dv / 32), Hk), MAX_DK threads: lane = value column, warp = 32 keys, so S stays in
-// registers and W S0, Qtil S0 are warp-partial sums (shared W / Qtil rows broadcast as float4)
-// added over the warps in a fixed order.
+// (ceil(dv / 32), Hk), MAX_DK threads, SCAN_SHARED bytes of dynamic shared memory (two stages):
+// lane = value column, warp = 32 keys, so S stays in registers and W S0, Qtil S0 are
+// warp-partial sums (shared W / Qtil rows broadcast as float4) added over the warps in a fixed order.
 extern "C" __global__ void __launch_bounds__(KDA_CHUNK_MAX_DK)
 kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const float* __restrict__ qm,
                const float* __restrict__ qtil, const float* __restrict__ khat, const float* __restrict__ decay,
                float* __restrict__ state, float* __restrict__ out, int row0, int nc, int t, int hk,
                int dk, int dv) {
-    __shared__ __align__(16) float wq[2 * CH * MAX_DK];  // W rows, Qtil rows; then the warps' partial sums
-    __shared__ __align__(16) float kh[CH * MAX_DK];
-    __shared__ __align__(16) float sdecay[MAX_DK];
-    __shared__ float su[CH][TILE], sp[CH][TILE], sqm[CH][CH];
+    extern __shared__ __align__(16) float stages[];  // 2 * STAGE_FLOATS
+    __shared__ float sp[CH][TILE];
     static_assert(SCAN_WARPS * 2 * CH * TILE <= 2 * CH * MAX_DK, "the partial sums fit where W, Qtil were");
     const int h = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int c0 = blockIdx.x * TILE, c = c0 + lane, d0 = warp * 32;
@@ -131,23 +172,22 @@ kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const 
     float s[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) s[i] = c < dv && d0 + i < dk ? sh[(long long)(d0 + i) * dv + c] : 0.0f;
+    stage_chunk(stages, w, u0, qm, qtil, khat, decay, h, c0, dk, dv);
     for (int ci = 0; ci < nc; ++ci) {
-        const long long piece = (long long)ci * hk + h;
-        __syncthreads();  // the previous chunk is done with the shared pieces
-        for (int idx = threadIdx.x; idx < CH * MAX_DK; idx += blockDim.x) {
-            const int r = idx / MAX_DK, d = idx % MAX_DK;
-            const long long src = (piece * CH + r) * dk + d;
-            wq[idx] = d < dk ? w[src] : 0.0f;
-            wq[CH * MAX_DK + idx] = d < dk ? qtil[src] : 0.0f;
-            kh[idx] = d < dk ? khat[src] : 0.0f;
-        }
-        for (int idx = threadIdx.x; idx < CH * TILE; idx += blockDim.x) {
-            const int r = idx / TILE, col = idx % TILE;
-            su[r][col] = c0 + col < dv ? u0[(piece * CH + r) * dv + c0 + col] : 0.0f;
-        }
-        for (int idx = threadIdx.x; idx < CH * CH; idx += blockDim.x) sqm[idx / CH][idx % CH] = qm[piece * CH * CH + idx];
-        for (int d = threadIdx.x; d < MAX_DK; d += blockDim.x) sdecay[d] = d < dk ? decay[piece * dk + d] : 0.0f;
+        float* st = stages + (ci & 1) * STAGE_FLOATS;
+        __syncthreads();  // the previous chunk is done with the other stage
+        if (ci + 1 < nc)
+            stage_chunk(stages + ((ci + 1) & 1) * STAGE_FLOATS, w, u0, qm, qtil, khat, decay,
+                        (long long)(ci + 1) * hk + h, c0, dk, dv);
+        else
+            asm volatile("cp.async.commit_group;\n" ::);  // an empty group keeps the wait count uniform
+        asm volatile("cp.async.wait_group 1;\n" ::);      // this chunk's copies have landed
         __syncthreads();
+        float* wq = st + STAGE_W;  // W rows then Qtil rows; then the warps' partial sums
+        const float* kh = st + STAGE_K;
+        const float* sdecay = st + STAGE_DECAY;
+        float* su = st + STAGE_U;  // U0, then u = U0 - W S0 in place
+        const float* sqm = st + STAGE_QM;
         // rows 0 .. CH-1: (W S0)[r, c]; rows CH .. 2CH-1: (Qtil S0)[r - CH, c], over this warp's keys
         float acc[2 * CH];
 #pragma unroll
@@ -173,22 +213,22 @@ kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const 
             const int r = idx / TILE, col = idx % TILE;
             float sum = 0.0f;
             for (int ww = 0; ww < SCAN_WARPS; ++ww) sum += wq[(ww * 2 * CH + r) * TILE + col];
-            if (r < CH) su[r][col] = su[r][col] - sum;  // u = U0 - W S0
-            else sp[r - CH][col] = sum;                 // Qtil S0
+            if (r < CH) su[r * TILE + col] = su[r * TILE + col] - sum;  // u = U0 - W S0
+            else sp[r - CH][col] = sum;                                 // Qtil S0
         }
         __syncthreads();
         for (int idx = threadIdx.x; idx < CH * TILE; idx += blockDim.x) {
             const int r = idx / TILE, col = idx % TILE, row = row0 + ci * CH + r;
             if (row < t && c0 + col < dv) {
                 float o = sp[r][col];
-                for (int j = 0; j <= r; ++j) o = fmaf(sqm[r][j], su[j][col], o);
+                for (int j = 0; j <= r; ++j) o = fmaf(sqm[r * CH + j], su[j * TILE + col], o);
                 out[((long long)row * hk + h) * dv + c0 + col] = o;
             }
         }
         if (keys) {  // S = decay S + Khat^T u on this thread's 32 keys of column c
             float uc[CH];
 #pragma unroll
-            for (int j = 0; j < CH; ++j) uc[j] = su[j][lane];
+            for (int j = 0; j < CH; ++j) uc[j] = su[j * TILE + lane];
 #pragma unroll
             for (int i = 0; i < 32; i += 4) {
                 const float4 dc = *reinterpret_cast<const float4*>(&sdecay[d0 + i]);

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import cupy as cp
 
-from memra.backend.cuda.runtime import BLOCK, check, i32, launch
+from memra.backend.cuda.runtime import BLOCK, check, i32, kernel, launch
 from memra.kernels_cu.constants import KDA_CHUNK, KDA_CHUNK_MAX_DK
 
 SCRATCH_BYTES = 1 << 28  # the pieces one span of chunks may hold (a 4096-row bench prompt: 2 spans)
 TILE = 32                # value columns per scan block (kda_chunks.cu)
+# the scan's two stages of one chunk's pieces (kda_chunks.cu STAGE_FLOATS): W, Qtil, Khat rows,
+# U0 columns, Qm, decay; over the 48 KB default, so the kernel is given the room explicitly
+SCAN_SHARED = 2 * 4 * (3 * KDA_CHUNK * KDA_CHUNK_MAX_DK + KDA_CHUNK * TILE + KDA_CHUNK ** 2 + KDA_CHUNK_MAX_DK)
 
 
 def prime_kda(q, k, v, g, beta, state):
@@ -40,10 +43,12 @@ def prime_kda(q, k, v, g, beta, state):
     u0 = cp.empty((span, hk, KDA_CHUNK, dv), cp.float32)
     qm = cp.empty((span, hk, KDA_CHUNK, KDA_CHUNK), cp.float32)
     decay = cp.empty((span, hk, dk), cp.float32)
+    kernel("kda_chunks", "kda_chunk_scan").max_dynamic_shared_size_bytes = SCAN_SHARED
     for c0 in range(0, chunks, span):
         nc, row0 = min(span, chunks - c0), c0 * KDA_CHUNK
         launch("kda_chunks", "kda_chunk_prep", (nc, hk), (BLOCK,),
                (q, k, v, g, beta, w, u0, qm, qtil, khat, decay, i32(row0), i32(t), i32(hk), i32(dk), i32(dv)))
         launch("kda_chunks", "kda_chunk_scan", (-(-dv // TILE), hk), (KDA_CHUNK_MAX_DK,),
-               (w, u0, qm, qtil, khat, decay, state, out, i32(row0), i32(nc), i32(t), i32(hk), i32(dk), i32(dv)))
+               (w, u0, qm, qtil, khat, decay, state, out, i32(row0), i32(nc), i32(t), i32(hk), i32(dk), i32(dv)),
+               SCAN_SHARED)
     return out

@@ -13,7 +13,7 @@ import numpy as np
 
 import cupy as cp
 
-from memra.backend.cuda.kda_chunks import prime_kda
+from memra.backend.cuda.kda_chunks import kda_shapes, prime_kda
 from memra.backend.cuda.prime import is_prime
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, device_input, f32, grid_1d, i32, launch
 from memra.kernels_cu.constants import KDA_CHUNK_MAX_DK, KDA_CONV_SPAN, KDA_MAX_CONV, KDA_MAX_DK, WARPS_PER_BLOCK
@@ -71,12 +71,7 @@ class KdaOps:
         takes the chunked scan instead (kda_chunks.py)."""
         q, k, v = device_input(q, "q"), device_input(k, "k"), device_input(v, "v")
         g, beta = device_input(g, "g"), device_input(beta, "beta")
-        check(state, cp.float32, "state")
-        t, hk, dk = q.shape
-        dv = v.shape[2]
-        assert k.shape == g.shape == (t, hk, dk) and v.shape == (t, hk, dv) and beta.shape == (t, hk), (
-            f"kda_recurrence: q {q.shape} k {k.shape} v {v.shape} g {g.shape} beta {beta.shape}")
-        assert state.shape == (hk, dk, dv), f"kda_recurrence: state {state.shape}, expected {(hk, dk, dv)}"
+        t, hk, dk, dv = kda_shapes("kda_recurrence", q, k, v, g, beta, state)
         assert dk <= KDA_MAX_DK, f"kda_recurrence: dk={dk}, at most {KDA_MAX_DK} (raise KDA_MAX_DK)"
         if is_prime(t) and rows is None and dk <= KDA_CHUNK_MAX_DK:  # a prompt: the chunked scan
             return prime_kda(q, k, v, g, beta, state)

@@ -22,16 +22,23 @@ TILE = 32                # value columns per scan block (kda_chunks.cu)
 SCAN_SHARED = 2 * 4 * (3 * KDA_CHUNK * KDA_CHUNK_MAX_DK + KDA_CHUNK * TILE + KDA_CHUNK ** 2 + KDA_CHUNK_MAX_DK)
 
 
-def prime_kda(q, k, v, g, beta, state):
-    """kda_recurrence over t rows in chunks: q, k, g [t, Hk, dk], v [t, Hk, dv], beta [t, Hk],
-    C-contiguous float32; returns o [t, Hk, dv]. dk <= KDA_CHUNK_MAX_DK."""
+def kda_shapes(what: str, q, k, v, g, beta, state) -> tuple[int, int, int, int]:
+    """(t, Hk, dk, dv) of a delta-rule call, every operand checked: float32, C-contiguous,
+    shapes that agree."""
     for a, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta"), (state, "state")):
         check(a, cp.float32, name)
     t, hk, dk = q.shape
     dv = v.shape[2]
     assert k.shape == g.shape == (t, hk, dk) and v.shape == (t, hk, dv) and beta.shape == (t, hk), (
-        f"prime_kda: q {q.shape} k {k.shape} v {v.shape} g {g.shape} beta {beta.shape}")
-    assert state.shape == (hk, dk, dv), f"prime_kda: state {state.shape}, expected {(hk, dk, dv)}"
+        f"{what}: q {q.shape} k {k.shape} v {v.shape} g {g.shape} beta {beta.shape}")
+    assert state.shape == (hk, dk, dv), f"{what}: state {state.shape}, expected {(hk, dk, dv)}"
+    return t, hk, dk, dv
+
+
+def prime_kda(q, k, v, g, beta, state):
+    """kda_recurrence over t rows in chunks: q, k, g [t, Hk, dk], v [t, Hk, dv], beta [t, Hk],
+    C-contiguous float32; returns o [t, Hk, dv]. dk <= KDA_CHUNK_MAX_DK."""
+    t, hk, dk, dv = kda_shapes("prime_kda", q, k, v, g, beta, state)
     assert dk <= KDA_CHUNK_MAX_DK, f"prime_kda: dk={dk}, at most {KDA_CHUNK_MAX_DK} (raise KDA_CHUNK_MAX_DK)"
     out = cp.empty((t, hk, dv), cp.float32)
     chunks = -(-t // KDA_CHUNK)

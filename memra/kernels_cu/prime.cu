@@ -26,7 +26,7 @@ static __device__ __forceinline__ void split_pieces(float a, unsigned short piec
 }
 
 // The pieces of a into p[0], p[d], p[2d] (a row's pieces side by side: [m, 3, d]).
-static __device__ __forceinline__ void put_pieces(float a, unsigned short* p, int d) {
+static __device__ __forceinline__ void put_pieces(float a, unsigned short* p, long long d) {
     unsigned short piece[3];
     split_pieces(a, piece);
     p[0] = piece[0];
@@ -140,4 +140,28 @@ extern "C" __global__ void masked_softmax_pieces(float* s, const unsigned char* 
     // a row that lists no position (never one of a prompt: it sees itself) attends nothing
     for (int j = threadIdx.x; j < ctx; j += MEMRA_BLOCK)
         put_piece_copies(sum > 0.0f ? row[j] / sum : 0.0f, probs + j, 3, map, ctx);
+}
+
+// An e4m3fn byte as float32, exactly: 1 sign, 4 exponent (bias 7), 3 mantissa bits; exponent 0
+// is subnormal (m * 2^-9); S.1111.111 is NaN (the format has no infinities).
+static __device__ __forceinline__ float e4m3_value(unsigned char b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float mag = (e == 15 && m == 7) ? __int_as_float(0x7fc00000)  // NaN
+                      : e == 0 ? (float)m * __int_as_float((127 - 9) << 23)   // m * 2^-9
+                               : (float)(8 + m) * __int_as_float((127 + e - 10) << 23);
+    return (b & 0x80) ? -mag : mag;
+}
+
+// An FP8 matrix [n_out, n_in] with its 128 x 128 block scales, dequantized (one float32 rounding
+// of e4m3 * scale, as backend/fp8.py's dequantize) and split into planes out [3, n_out, n_in] of
+// its bf16 pieces: a prompt's FP8 projections then run as bf16 GEMMs.
+extern "C" __global__ void fp8_pieces(const unsigned char* data, const float* scale, unsigned short* out,
+                                      int n_out, int n_in) {
+    const long long n = (long long)n_out * n_in;
+    const int scale_cols = (n_in + FP8_BLOCK - 1) / FP8_BLOCK;
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n;
+         e += (long long)gridDim.x * blockDim.x) {
+        const int o = (int)(e / n_in), i = (int)(e % n_in);
+        put_pieces(e4m3_value(data[e]) * scale[(o / FP8_BLOCK) * scale_cols + i / FP8_BLOCK], out + e, n);
+    }
 }

@@ -23,7 +23,7 @@ from tests.gpu import cupy_or_skip
 pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
-from memra.backend.cuda import dense, moe, runtime  # noqa: E402
+from memra.backend.cuda import dense, moe, prime, runtime  # noqa: E402
 from memra.backend.cuda.backend import CudaBackend  # noqa: E402
 from memra.backend.cuda.dense import DenseOps  # noqa: E402
 from memra.backend.cuda.fp8 import DeviceFp8  # noqa: E402
@@ -31,7 +31,9 @@ from memra.backend.cuda.moe import MoeOps  # noqa: E402
 from memra.backend.fp8 import E4M3_TO_F32, NAN_CODES, Fp8Block, dequantize, f32_to_e4m3, quantize  # noqa: E402
 from tests.backend.harness import (  # noqa: E402
     NUMPY, ROWS, OpGates, RedArm, assert_matches_numpy, draw, row_mismatches, split_dot, table)
+from memra.limits import VERIFY_CAP  # noqa: E402
 from tests.backend.inputs import normal, uniform  # noqa: E402
+from tests.backend.test_cuda_prime import PRIME_REL, _rel_error  # noqa: E402
 
 TOL = {"linear": (1e-4, 1e-5), "moe_experts": (1e-4, 1e-5)}  # the bf16 path's bounds
 
@@ -84,6 +86,7 @@ CASES = [
     case("moe_experts_fp8_odd", *_experts(5, 33, 200, 3, limit=0.75), ts=(1, 7, 11, 15)),
     case("moe_experts_fp8_wide", *_experts(8, 256, 384, 2)),
     case("linear_fp8_prime", _make_linear(515, 70), _linear, gates=frozenset({NUMPY}), ts=(37,)),
+    case("moe_experts_fp8_prime", *_experts(5, 64, 200, 2), gates=frozenset({NUMPY}), ts=(37,)),
 ]
 
 
@@ -131,27 +134,61 @@ def test_fp8_identity_returns_the_scaled_activations_bit_for_bit(n):
 
 def _every_code():
     """A [1, 254] row holding every finite e4m3 code once, unit scales, and the 254 one-hot rows
-    that read each code alone (a prime-class call: t > 15 rows go through the same tile)."""
+    that read each code alone."""
     codes = np.array([c for c in range(256) if c not in NAN_CODES], np.uint8)
     block = Fp8Block(codes[None, :], np.ones((1, 2), np.float32))
     return block, np.eye(codes.size, dtype=np.float32), E4M3_TO_F32[codes]
 
 
-def test_every_e4m3_code_widens_to_its_value():
-    """All 254 finite codes, subnormals and both signs included, in every byte lane of a word."""
+def _read_codes(x, block, rows: int) -> np.ndarray:
+    """Each one-hot row's output, in calls of `rows` rows: the exact tiles up to VERIFY_CAP, the
+    prime class's dequantized pieces past it."""
+    w = Fp8Ops().matrix(block)
+    return np.concatenate([cp.asnumpy(Fp8Ops().linear(cp.asarray(x[r:r + rows]), w))[:, 0]
+                           for r in range(0, x.shape[0], rows)])
+
+
+@pytest.mark.parametrize("rows", [VERIFY_CAP, 254], ids=["exact_tiles", "prime"])
+def test_every_e4m3_code_widens_to_its_value(rows):
+    """All 254 finite codes, subnormals and both signs included, in every byte lane of a word:
+    through the exact tiles and through a prompt's dequantization."""
     block, x, want = _every_code()
-    got = cp.asnumpy(Fp8Ops().linear(cp.asarray(x), Fp8Ops().matrix(block)))[:, 0]
+    got = _read_codes(x, block, rows)
     assert np.array_equal(got, want), np.flatnonzero(got != want)
 
 
-def test_red_arm_a_lost_sign_bit_fails_the_code_table(monkeypatch, tmp_path):
+@pytest.mark.parametrize("rows, family, header, exact, broken", [
+    (VERIFY_CAP, "dense", "exact_mma_fp8.cuh", "(x & 0x80008000u)", "(x & 0x00008000u)"),
+    (254, "prime", "prime.cu", "return (b & 0x80) ? -mag : mag;", "return mag;"),
+])
+def test_red_arm_a_lost_sign_bit_fails_the_code_table(monkeypatch, tmp_path, rows, family, header, exact, broken):
     block, x, want = _every_code()
-    launch = _mutated_launch(monkeypatch, tmp_path, "exact_mma_fp8.cuh", "(x & 0x80008000u)",
-                             "(x & 0x00008000u)", "dense")
+    launch = _mutated_launch(monkeypatch, tmp_path, header, exact, broken, family)
     with monkeypatch.context() as m:
-        m.setattr(dense, "launch", launch)
-        got = cp.asnumpy(Fp8Ops().linear(cp.asarray(x), Fp8Ops().matrix(block)))[:, 0]
+        m.setattr(dense if family == "dense" else prime, "launch", launch)
+        got = _read_codes(x, block, rows)
     assert not np.array_equal(got, want)
+
+
+def test_a_prompts_fp8_projection_is_float32_accurate(monkeypatch):
+    """Past VERIFY_CAP rows an FP8 weight is dequantized into bf16 pieces and meets the
+    activation's in six GEMMs: within PRIME_REL of the outputs' RMS against float64 of the
+    dequantized product; dropping the weight's mid piece against the activation's hi breaks it."""
+    rng = np.random.default_rng(12)
+    block, x = _fp8(rng, (300, 1290), 1290 ** -0.5), normal(rng, (40, 1290))
+    want = x.astype(np.float64) @ dequantize(block).astype(np.float64).T
+    w = Fp8Ops().matrix(block)
+    error = lambda: _rel_error(Fp8Ops().linear(cp.asarray(x), w), want)
+    assert error() <= PRIME_REL
+    monkeypatch.setattr(prime, "WEIGHT_PRODUCTS", tuple(p for p in prime.WEIGHT_PRODUCTS if p != (0, 1)))
+    assert error() > PRIME_REL
+
+
+def test_fp8_pieces_add_back_to_the_dequantized_weight():
+    block = _fp8(np.random.default_rng(13), (130, 300), 0.05)
+    planes = cp.asnumpy(prime.fp8_pieces(cp.asarray(block.data), cp.asarray(block.scale_inv)))
+    widened = [(p.astype(np.uint32) << 16).view(np.float32) for p in planes]
+    assert np.array_equal((widened[2] + widened[1]) + widened[0], dequantize(block))
 
 
 def _mutated_launch(monkeypatch, tmp_path, header, exact, broken, family):

@@ -112,9 +112,9 @@ class DenseOps:
 
     def linear(self, x, w):
         """y[r] = w @ x[r]; x [t, in], w [out, in] (float32, bf16 bits or DeviceFp8) -> [t, out].
-        More than VERIFY_CAP rows (a prompt) of a float32 or bf16 weight go to cuBLAS (prime.py)."""
+        More than VERIFY_CAP rows (a prompt) go to cuBLAS (prime.py)."""
         if isinstance(w, DeviceFp8):
-            return _linear_fp8(x, w)
+            return prime_linear(x, w) if is_prime(x.shape[0]) else _linear_fp8(x, w)
         kind = weight_kind(w, "w")
         check(x, cp.float32, "x")
         n_out, n_in = w.shape
@@ -140,12 +140,12 @@ class DenseOps:
 
     def linears(self, x, ws) -> list:
         """The projections of one input, [linear(x, w) for w in ws]. A prompt's rows are split
-        into their bf16 pieces once for all the bf16 weights instead of once per weight."""
-        bf16 = [not isinstance(w, DeviceFp8) and weight_kind(w, "w") == "bf16" for w in ws]
-        if not is_prime(x.shape[0]) or sum(bf16) < 2:
+        into their bf16 pieces once for all the bf16 and FP8 weights instead of once per weight."""
+        split = [isinstance(w, DeviceFp8) or weight_kind(w, "w") == "bf16" for w in ws]
+        if not is_prime(x.shape[0]) or sum(split) < 2:
             return [self.linear(x, w) for w in ws]
         shared = pieces(x)
-        return [prime_linear(x, w, shared) if is_bf16 else self.linear(x, w) for w, is_bf16 in zip(ws, bf16)]
+        return [prime_linear(x, w, shared) if s else self.linear(x, w) for w, s in zip(ws, split)]
 
     def head_linear(self, x, w):
         """Per-head projection: y[r, h] = w[h] @ x[r, h]; x [t, H, in], w [H, out, in]. More than

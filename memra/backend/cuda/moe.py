@@ -77,7 +77,7 @@ class MoeOps:
         if t * k * d == 0:
             out.fill(0)
             return out
-        if is_prime(t) and kind == "bf16":  # a prompt: cuBLAS GEMMs per routed expert (prime.py)
+        if is_prime(t) and kind != "f32":  # a prompt: cuBLAS GEMMs per routed expert (prime.py)
             return prime_experts(x, idx, wts, gate_w, up_w, down_w, limit)
         # zeroed so a slot whose expert id matches no block adds 0 rather than garbage
         h = cp.zeros((t, k, inter), cp.float32)

@@ -12,6 +12,9 @@ weight once per 16 rows and run at under 2% of the tensor cores' rate on a long 
 * the attention's scores and mixes, float32 operands on both sides, run as bf16 GEMMs of the
   six piece products of size at least 2^-16 (backend/pieces.py): float32-accurate, on tensor
   cores;
+* an FP8 weight is dequantized (e4m3 times its block scale, one float32 rounding) into the bf16
+  pieces of its float32 values, and meets the activation's pieces in the six products of size
+  at least 2^-16 (a routed expert's rows, single pieces already, meet all three weight pieces);
 * a float32 weight (test fixtures) or the remaining float32 x float32 products (router logits,
   pool scores, mHC partials) run as float32 GEMMs (cupy.matmul: no TF32 unless CUPY_TF32 is set).
 
@@ -25,6 +28,7 @@ import numpy as np
 import cupy as cp
 from cupy_backends.cuda.libs import cublas
 
+from memra.backend.cuda.fp8 import DeviceFp8
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, blocks_of, check, f32, i32, launch
 from memra.backend.pieces import LEFT_ORDER, PIECES, RIGHT_COPIES, SEGMENTS, piece_map
 from memra.limits import VERIFY_CAP
@@ -38,6 +42,9 @@ ATTEND_ROWS = 256                        # rows per attention chunk at most: a c
 ALIGN = 8                                # context padded to a multiple: 16-byte bf16 rows for the tensor cores
 HC_SPLITS = 16                           # slices of the mHC matvec's flattened axis
 MOE_ROWS = 4096                          # prompt rows per routed-experts pass
+# (activation piece, weight piece) of an FP8 projection's GEMMs, smallest first: the six of size
+# at least 2^-16 of the product (0 hi, 1 mid, 2 lo)
+WEIGHT_PRODUCTS = ((2, 0), (0, 2), (1, 1), (1, 0), (0, 1), (0, 0))
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
 
 
@@ -102,13 +109,53 @@ def gemm_pieces(xp, w):
 
 
 def prime_linear(x, w, xp=None):
-    """y = x @ w.T for prime-class rows; w [out, in] float32 or bf16 bits; xp: x's pieces, when
-    the caller shares them between the projections of one input."""
+    """y = x @ w.T for prime-class rows; w [out, in] float32, bf16 bits or DeviceFp8; xp: x's
+    pieces, when the caller shares them between the projections of one input."""
     check(x, cp.float32, "x")
     assert x.ndim == 2 and x.shape[1] == w.shape[1], f"x: expected [t, {w.shape[1]}], got {x.shape}"
+    if isinstance(w, DeviceFp8):
+        return _gemm_weight_pieces(pieces(x) if xp is None else xp, fp8_pieces(w.data, w.scale_inv))
     if w.dtype == cp.float32:
         return cp.ascontiguousarray(cp.matmul(x, w.T))
     return gemm_pieces(pieces(x) if xp is None else xp, w)
+
+
+def fp8_pieces(data, scale_inv):
+    """[3, out, in] planes of bf16 bits: the pieces of an FP8 matrix's float32 values (each e4m3
+    times its 128 x 128 block's scale, one rounding: backend/fp8.py's dequantize)."""
+    check(data, cp.uint8, "fp8 data")
+    check(scale_inv, cp.float32, "fp8 scale_inv")
+    n_out, n_in = data.shape
+    out = cp.empty((PIECES, n_out, n_in), cp.uint16)
+    if data.size:
+        launch("prime", "fp8_pieces", (min(blocks_of(data.size), MAX_GRID),), (BLOCK,),
+               (data, scale_inv, out, i32(n_out), i32(n_in)))
+    return out
+
+
+def _gemm_weight_pieces(xp, planes):
+    """[t, n_out] = the six piece products of size at least 2^-16 of x (pieces xp [t, 3, n_in])
+    and W (planes [3, n_out, n_in]), smallest first (the three dropped are under 2^-23 |x w|)."""
+    (t, _, n_in), n_out = xp.shape, planes.shape[1]
+    if not (t and n_out and n_in):
+        return cp.zeros((t, n_out), cp.float32)
+    out = cp.empty((t, n_out), cp.float32)
+    handle = _handle()
+    for i, (a, b) in enumerate(WEIGHT_PRODUCTS):
+        _gemm(handle, xp.data.ptr + 2 * a * n_in, PIECES * n_in, t, planes[b], out.data.ptr, accumulate=i > 0)
+    return out
+
+
+def _expert_gemm(handle: int, b: int, ldb: int, m: int, stack, ex: int, c: int) -> None:
+    """C [m, out] = B @ stack[ex].T for B's m rows of bf16 bits: a bf16 expert in one GEMM; an FP8
+    one in the three GEMMs of its dequantized pieces, smallest first (B's rows are single
+    pieces, so this is every product)."""
+    if not isinstance(stack, DeviceFp8):
+        _gemm(handle, b, ldb, m, stack[ex], c)
+        return
+    planes = fp8_pieces(stack.data[ex], stack.scale_inv[ex])
+    for i, piece in enumerate(reversed(range(PIECES))):
+        _gemm(handle, b, ldb, m, planes[piece], c, accumulate=i > 0)
 
 
 def prime_head_linear(x, w):
@@ -161,16 +208,16 @@ def _experts(x, idx, wts, gate_w, up_w, down_w, limit: float):
     for ex, (start, m) in enumerate(zip(starts, counts)):
         if m:
             src = xp.data.ptr + 2 * PIECES * start * d
-            _gemm(handle, src, d, PIECES * m, gate_w[ex], gate.data.ptr + 4 * PIECES * start * inter)
-            _gemm(handle, src, d, PIECES * m, up_w[ex], up.data.ptr + 4 * PIECES * start * inter)
+            _expert_gemm(handle, src, d, PIECES * m, gate_w, ex, gate.data.ptr + 4 * PIECES * start * inter)
+            _expert_gemm(handle, src, d, PIECES * m, up_w, ex, up.data.ptr + 4 * PIECES * start * inter)
     hidden = cp.empty((slots, PIECES, inter), cp.uint16)
     launch("prime", "swiglu_pieces", (min(blocks_of(slots * inter), MAX_GRID),), (BLOCK,),
            (gate, up, hidden, np.int64(slots), i32(inter), f32(limit)))
     down = cp.empty((slots, PIECES, d), cp.float32)
     for ex, (start, m) in enumerate(zip(starts, counts)):
         if m:
-            _gemm(handle, hidden.data.ptr + 2 * PIECES * start * inter, inter, PIECES * m, down_w[ex],
-                  down.data.ptr + 4 * PIECES * start * d)
+            _expert_gemm(handle, hidden.data.ptr + 2 * PIECES * start * inter, inter, PIECES * m, down_w, ex,
+                         down.data.ptr + 4 * PIECES * start * d)
     out = cp.empty((t, d), cp.float32)
     launch("prime", "expert_combine", (min(blocks_of(t * d), MAX_GRID),), (BLOCK,),
            (down, at, wts, out, i32(t), i32(k), i32(d)))

@@ -43,18 +43,21 @@ from memra.limits import VERIFY_CAP  # noqa: E402
 COUNTED_STEPS = 4    # eager decode steps run again with launches counted (counting slows the host)
 PROFILED_STEPS = 16  # steps run again under the kernel profiler (graph replay where captured)
 PROFILE_LINES = 16   # kernel families on the card (the JSON has them all)
+PREFILL_REPS = 3     # timed primes per prompt length, median kept: one prime's wall time moved 13% between runs
 
 
 def prefill(model, lengths: list[int], seed: int) -> dict:
-    """Prefill tokens/s per prompt length; the longest prompt's prime is also run once with its
-    launches counted (to name each kernel's module) and once under the kernel profiler."""
+    """Prefill tokens/s per prompt length (the median of PREFILL_REPS timed primes); the longest
+    prompt's prime is also run once with its launches counted (to name each kernel's module) and
+    once under the kernel profiler."""
     for n in lengths:  # first calls: kernel compilation, module loading, cuBLAS's picks per shape
         model.prime(random_tokens(model.cfg, n, seed + 1), model.new_cache(n))
     out = {}
     for n in lengths:
-        tokens, cache = random_tokens(model.cfg, n, seed), model.new_cache(n)
-        ms, _ = timed_call(partial(model.prime, tokens, cache), model.be)
-        out[f"prompt_{n}"] = {"tokens": n, "ms": ms, "tokens_per_s": n / ms * 1e3}
+        tokens = random_tokens(model.cfg, n, seed)
+        each = [timed_call(partial(model.prime, tokens, model.new_cache(n)), model.be)[0] for _ in range(PREFILL_REPS)]
+        ms = float(np.median(each))
+        out[f"prompt_{n}"] = {"tokens": n, "ms": ms, "tokens_per_s": n / ms * 1e3, "ms_each": each}
     shortest = random_tokens(model.cfg, min(lengths), seed)
     out[f"prompt_{shortest.size}"]["logits_vs_exact_class"] = prime_vs_exact(model, shortest)
     longest = random_tokens(model.cfg, max(lengths), seed)

@@ -15,7 +15,7 @@ import cupy as cp
 from memra.backend.cuda.runtime import BLOCK, check, i32, kernel, launch
 from memra.kernels_cu.constants import KDA_CHUNK, KDA_CHUNK_MAX_DK
 
-SCRATCH_BYTES = 1 << 28  # the pieces one span of chunks may hold (a 4096-row bench prompt: 2 spans)
+SCRATCH_BYTES = 1 << 28  # the pieces one span of chunks may hold (a 4096-row bench prompt: 3 spans)
 TILE = 32                # value columns per scan block (kda_chunks.cu)
 # the scan's two stages of one chunk's pieces (kda_chunks.cu STAGE_FLOATS): W, Qtil, Khat rows,
 # U0 columns, Qm, decay; over the 48 KB default, so the kernel is given the room explicitly

@@ -13,6 +13,8 @@ VERIFY_CAP = 15            # verify rows per walk: K + 1 <= 15, the decode-exact
 MAX_K = VERIFY_CAP - 1     # drafts per round
 SPEC_CONTEXT_SLACK = 8     # positions a speculative request keeps beyond prompt + tokens + K
 MIN_SESSION_ROOM = 4       # a session needs the prompt plus this much to run one round
+PRIME_CHUNK = 8192         # prompt rows per prefill walk: a longer prompt walks in chunks, which
+                           # bounds its transient buffers (activations, pieces, scores) by this
 
 
 def spec_context(prompt_len: int, max_new_tokens: int, k: int) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 from memra.arguments import check_tap_layers
 from memra.config import KDA, ModelConfig
 from memra.errors import ContextOverflowError, InputError
-from memra.limits import VERIFY_CAP
+from memra.limits import PRIME_CHUNK, VERIFY_CAP
 from memra.memory import check_cache_fits
 
 from memra.model import hyper
@@ -105,12 +105,20 @@ class Glm5Model:
 
     def prime_rows(self, token_ids, cache: Cache, tap_layers=()):
         """prime, also returning the collapsed pre-final-norm rows [t, D] (the MTP h_seeds)
-        and the contracted outputs of `tap_layers` ({layer: [t, D]})."""
+        and the contracted outputs of `tap_layers` ({layer: [t, D]}). A prompt of more than
+        PRIME_CHUNK tokens walks PRIME_CHUNK rows at a time (its transient buffers stay bounded)."""
         tokens = self._check_tokens(token_ids, cache, "prime")
-        taps = {layer: None for layer in check_tap_layers(tap_layers, self.cfg.num_hidden_layers)}
-        logits, collapsed = self.forward_rows(tokens, cache, taps=taps, replay=False)
-        cache.pos += len(tokens)
-        return self.be.to_host(logits[-1]), self.be.copy(collapsed), taps
+        layers = check_tap_layers(tap_layers, self.cfg.num_hidden_layers)
+        rows, taps = [], {layer: [] for layer in layers}
+        for start in range(0, len(tokens), PRIME_CHUNK):
+            chunk, chunk_taps = tokens[start:start + PRIME_CHUNK], {layer: None for layer in layers}
+            logits, collapsed = self.forward_rows(chunk, cache, taps=chunk_taps, replay=False)
+            cache.pos += len(chunk)
+            rows.append(self.be.copy(collapsed))
+            for layer, tapped in chunk_taps.items():
+                taps[layer].append(tapped)
+        joined = lambda parts: parts[0] if len(parts) == 1 else self.be.concat(parts, axis=0)
+        return self.be.to_host(logits[-1]), joined(rows), {layer: joined(parts) for layer, parts in taps.items()}
 
     def decode_step(self, token_id, cache: Cache) -> np.ndarray:
         """Consume one token; returns float32 logits [vocab] for the next position."""

@@ -189,6 +189,15 @@ def test_a_prime_class_prompt_ends_in_the_exact_class_logits_within_tolerance(sm
     assert _prime_vs_exact(small_bf16, prompt) <= PRIME_LOGITS
 
 
+def test_a_prompt_primed_in_chunks_ends_within_the_same_tolerance(small_bf16, monkeypatch):
+    """PRIME_CHUNK rows at a time (here 32: two prime-class walks and an exact-class one)."""
+    from memra.model import trunk
+
+    monkeypatch.setattr(trunk, "PRIME_CHUNK", 32)
+    prompt = np.random.default_rng(9).integers(0, small_bf16.cfg.vocab_size, 70)
+    assert _prime_vs_exact(small_bf16, prompt) <= PRIME_LOGITS
+
+
 def test_red_arm_a_perturbed_prime_projection_is_caught(small_bf16, monkeypatch):
     """A 0.2% error on the prime-class projections' outputs (alternating sign by output, so no
     norm cancels it) moves the logits past the bound; the exact-class side is untouched."""

@@ -7,6 +7,7 @@ import pytest
 
 from memra import load_model
 from memra.checkpoint import load_checkpoint
+from memra.model import trunk
 from memra.model.trunk import Glm5Model
 
 TOL = 1e-4  # max |diff| relative to max |logit|
@@ -48,6 +49,24 @@ def test_skipping_a_decode_token_breaks_the_match(model):
     for tok in np.delete(p[40:], 3):
         logits = model.decode_step(tok, cache)
     assert _rel(logits, whole) > TOL
+
+
+@pytest.mark.parametrize("chunk", [7, 16])
+def test_a_prompt_past_prime_chunk_walks_in_chunks_bit_for_bit(model, monkeypatch, chunk):
+    """A prompt longer than PRIME_CHUNK walks PRIME_CHUNK rows at a time; the numpy walk is row
+    exact, so the logits, collapsed rows, taps and the cache after it equal one walk's."""
+    p = _prompt(model, 40)
+    caches = [model.new_cache(48) for _ in range(3)]
+    whole = model.prime_rows(p, caches[0], tap_layers=(0,))
+    monkeypatch.setattr(trunk, "PRIME_CHUNK", chunk)
+    parts = model.prime_rows(p, caches[1], tap_layers=(0,))
+    assert caches[1].pos == 40 and parts[1].shape == whole[1].shape and parts[2][0].shape == whole[2][0].shape
+    assert np.array_equal(parts[0], whole[0]) and np.array_equal(parts[1], whole[1])
+    assert np.array_equal(parts[2][0], whole[2][0])
+    assert np.array_equal(model.decode_step(3, caches[1]), model.decode_step(3, caches[0]))
+    # red arm: the first chunk's tokens reach the last logits (the state crosses the chunks)
+    other = model.prime_rows(np.concatenate([[int(p[0]) ^ 1], p[1:]]), caches[2], tap_layers=(0,))
+    assert not np.array_equal(other[0], parts[0])
 
 
 def test_kpool_selection_matters_past_the_dense_threshold(model, fixture_dir):

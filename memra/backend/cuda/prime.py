@@ -42,8 +42,10 @@ ATTEND_ROWS = 256                        # rows per attention chunk at most: a c
 ALIGN = 8                                # context padded to a multiple: 16-byte bf16 rows for the tensor cores
 HC_SPLITS = 16                           # slices of the mHC matvec's flattened axis
 MOE_ROWS = 4096                          # prompt rows per routed-experts pass
-# (activation piece, weight piece) of an FP8 projection's GEMMs, smallest first: the six of size
-# at least 2^-16 of the product (0 hi, 1 mid, 2 lo)
+# (activation piece, weight piece) of a projection's GEMMs, smallest first (0 hi, 1 mid, 2 lo):
+# a bf16 weight is one piece; an FP8 weight's float32 values are three, of which the six
+# products of size at least 2^-16 of the product are kept
+X_PRODUCTS = ((2, 0), (1, 0), (0, 0))
 WEIGHT_PRODUCTS = ((2, 0), (0, 2), (1, 1), (1, 0), (0, 1), (0, 0))
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
 
@@ -97,15 +99,8 @@ def gemm_pieces(xp, w):
     """[t, n_out] = the sum over the pieces of xp [t, 3, n_in] of piece @ w.T, accumulated in
     float32 from the smallest piece up; w [n_out, n_in] bf16 bits."""
     check(w, cp.uint16, "w")
-    (t, _, n_in), n_out = xp.shape, w.shape[0]
-    assert w.shape[1] == n_in, f"w {w.shape} for pieces {xp.shape}"
-    if not (t and n_out and n_in):
-        return cp.zeros((t, n_out), cp.float32)
-    out = cp.empty((t, n_out), cp.float32)
-    handle = _handle()
-    for i, piece in enumerate(reversed(range(PIECES))):
-        _gemm(handle, xp.data.ptr + 2 * piece * n_in, PIECES * n_in, t, w, out.data.ptr, accumulate=i > 0)
-    return out
+    assert w.shape[1] == xp.shape[2], f"w {w.shape} for pieces {xp.shape}"
+    return _gemm_products(xp, w[None], X_PRODUCTS)
 
 
 def prime_linear(x, w, xp=None):
@@ -113,11 +108,11 @@ def prime_linear(x, w, xp=None):
     pieces, when the caller shares them between the projections of one input."""
     check(x, cp.float32, "x")
     assert x.ndim == 2 and x.shape[1] == w.shape[1], f"x: expected [t, {w.shape[1]}], got {x.shape}"
-    if isinstance(w, DeviceFp8):
-        return _gemm_weight_pieces(pieces(x) if xp is None else xp, fp8_pieces(w.data, w.scale_inv))
-    if w.dtype == cp.float32:
+    fp8 = isinstance(w, DeviceFp8)
+    if not fp8 and w.dtype == cp.float32:
         return cp.ascontiguousarray(cp.matmul(x, w.T))
-    return gemm_pieces(pieces(x) if xp is None else xp, w)
+    xp = pieces(x) if xp is None else xp
+    return _gemm_products(xp, fp8_pieces(w.data, w.scale_inv), WEIGHT_PRODUCTS) if fp8 else gemm_pieces(xp, w)
 
 
 def fp8_pieces(data, scale_inv):
@@ -133,15 +128,15 @@ def fp8_pieces(data, scale_inv):
     return out
 
 
-def _gemm_weight_pieces(xp, planes):
-    """[t, n_out] = the six piece products of size at least 2^-16 of x (pieces xp [t, 3, n_in])
-    and W (planes [3, n_out, n_in]), smallest first (the three dropped are under 2^-23 |x w|)."""
+def _gemm_products(xp, planes, products):
+    """[t, n_out] = the sum of products (x piece a, weight plane b) of xp [t, 3, n_in] and planes
+    [*, n_out, n_in] (bf16 bits), one GEMM each, accumulated in float32 in the order given."""
     (t, _, n_in), n_out = xp.shape, planes.shape[1]
     if not (t and n_out and n_in):
         return cp.zeros((t, n_out), cp.float32)
     out = cp.empty((t, n_out), cp.float32)
     handle = _handle()
-    for i, (a, b) in enumerate(WEIGHT_PRODUCTS):
+    for i, (a, b) in enumerate(products):
         _gemm(handle, xp.data.ptr + 2 * a * n_in, PIECES * n_in, t, planes[b], out.data.ptr, accumulate=i > 0)
     return out
 

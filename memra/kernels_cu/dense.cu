@@ -125,16 +125,16 @@ static __device__ void project(const float* __restrict__ x, const float* __restr
 PROJECTIONS(1, OUTS_PER_WARP_T1) PROJECTIONS(2, OUTS_PER_WARP_T2) PROJECTIONS(4, OUTS_PER_WARP_T4)
 PROJECTIONS(8, OUTS_PER_WARP_T8) PROJECTIONS(16, OUTS_PER_WARP_T16)
 
-// bf16 weights: BF16_OUTS outputs per block of MMA_THREADS, 8 NT rows per pass (NT = 1 for
-// t <= 8, else 2; the host picks, the bits do not depend on it). grid (ceil(out / BF16_OUTS)[, H]).
+// bf16 weights: the BF16_OUTS outputs of o-tile `tile` per block of MMA_THREADS, 8 NT rows per pass
+// (NT = 1 for t <= 8, else 2; the host picks, the bits do not depend on it).
 // w_stride: elements from one weight row to the next (n_in, or more for a split-K slice).
 template <int NT>
 static __device__ void project_bf16(const float* x, const unsigned short* w, float* y, int t,
                                     int n_in, int n_out, long long x_stride, long long y_stride,
-                                    long long w_stride) {
+                                    long long w_stride, int tile) {
     constexpr int J = BF16_OUTS / 16;
     __shared__ MmaTile<J, NT> sh;
-    const int g = threadIdx.x % MMA_WARP / 4, o0 = blockIdx.x * BF16_OUTS;
+    const int g = threadIdx.x % MMA_WARP / 4, o0 = tile * BF16_OUTS;
     const bool w_aligned = (reinterpret_cast<unsigned long long>(w) % 16) == 0 && w_stride % 8 == 0;
     const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && x_stride % 4 == 0;
     const unsigned short* wrow[J][2];
@@ -154,29 +154,16 @@ static __device__ void project_bf16(const float* x, const unsigned short* w, flo
     }
 }
 
-// Split-K (a fixed split size of SPLIT_KC in-features, never a count): block (o-tile, s)
-// projects slice s of the in-features into part[s] [t, out]; linear_split_sum adds the parts in
-// s order. For projections whose outputs alone fill few blocks (a 4096-output o_proj is 128
-// blocks, one per SM, too few loads in flight); the host picks it by shape, never by t.
-#define PROJECTIONS_BF16(NT)                                                                       \
-    extern "C" __global__ void linear_bf16_n##NT(const float* x, const unsigned short* w, float* y, \
-                                                 int t, int n_in, int n_out) {                     \
-        project_bf16<NT>(x, w, y, t, n_in, n_out, n_in, n_out, n_in);                              \
-    }                                                                                              \
-    extern "C" __global__ void linear_bf16_split_n##NT(const float* x, const unsigned short* w,    \
-                                                       float* part, int t, int n_in, int n_out) {  \
-        const long long k0 = (long long)blockIdx.y * SPLIT_KC;                                     \
-        project_bf16<NT>(x + k0, w + k0, part + blockIdx.y * (long long)t * n_out, t,              \
-                         (int)min((long long)SPLIT_KC, n_in - k0), n_out, n_in, n_out, n_in);      \
-    }                                                                                              \
+// x [t, H, in], w [H, out, in] -> y [t, H, out]; grid (ceil(out / BF16_OUTS), H).
+#define HEAD_PROJECTIONS_BF16(NT)                                                                  \
     extern "C" __global__ void head_linear_bf16_n##NT(const float* x, const unsigned short* w,     \
                                                       float* y, int t, int n_in, int n_out) {      \
         const long long h = blockIdx.y, heads = gridDim.y;                                         \
         project_bf16<NT>(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out,        \
-                         heads * n_in, heads * n_out, n_in);                                       \
+                         heads * n_in, heads * n_out, n_in, blockIdx.x);                           \
     }
 
-PROJECTIONS_BF16(1) PROJECTIONS_BF16(2)
+HEAD_PROJECTIONS_BF16(1) HEAD_PROJECTIONS_BF16(2)
 
 // FP8 weights (e4m3 bytes, scale [ceil(out / FP8_BLOCK), ceil(in / FP8_BLOCK)]): the bf16 tile
 // shape with exact_mma_fp8.cuh's blockwise tile, one byte read per weight. k0: the first in-feature
@@ -184,10 +171,10 @@ PROJECTIONS_BF16(1) PROJECTIONS_BF16(2)
 static_assert(SPLIT_KC % FP8_BLOCK == 0, "a split-K slice is whole FP8 blocks");
 template <int NT>
 static __device__ void project_fp8(const float* x, const unsigned char* w, const float* scale, float* y,
-                                   int t, int n_in, int n_out, long long k0, long long w_stride) {
+                                   int t, int n_in, int n_out, long long k0, long long w_stride, int tile) {
     constexpr int J = BF16_OUTS / 16;
     __shared__ MmaTile<J, NT> sh;
-    const int g = threadIdx.x % MMA_WARP / 4, o0 = blockIdx.x * BF16_OUTS;
+    const int g = threadIdx.x % MMA_WARP / 4, o0 = tile * BF16_OUTS;
     const long long n_kb = (w_stride + FP8_BLOCK - 1) / FP8_BLOCK;  // scale columns of the whole row
     const bool w_aligned = (reinterpret_cast<unsigned long long>(w + k0) % 16) == 0 && w_stride % 16 == 0;
     const bool x_aligned = (reinterpret_cast<unsigned long long>(x + k0) % 16) == 0 && w_stride % 4 == 0;
@@ -212,33 +199,87 @@ static __device__ void project_fp8(const float* x, const unsigned char* w, const
     }
 }
 
-// x [t, in] (rows n_in apart), w [out, in] e4m3 -> y [t, out]; grid (ceil(out / BF16_OUTS)), block
-// MMA_THREADS. The split variant: block (o-tile, s) writes slice s into part[s], then linear_split_sum.
-#define PROJECTIONS_FP8(NT)                                                                        \
-    extern "C" __global__ void linear_fp8_n##NT(const float* x, const unsigned char* w,           \
-                                                const float* scale, float* y, int t, int n_in,    \
-                                                int n_out) {                                      \
-        project_fp8<NT>(x, w, scale, y, t, n_in, n_out, 0, n_in);                                  \
-    }                                                                                              \
-    extern "C" __global__ void linear_fp8_split_n##NT(const float* x, const unsigned char* w,     \
-                                                      const float* scale, float* part, int t,     \
-                                                      int n_in, int n_out) {                      \
-        const long long k0 = (long long)blockIdx.y * SPLIT_KC;                                     \
-        project_fp8<NT>(x, w, scale, part + blockIdx.y * (long long)t * n_out, t,                  \
-                        (int)min((long long)SPLIT_KC, n_in - k0), n_out, k0, n_in);                \
+// A projection group: the bf16 or FP8 weights that share one input x [t, in], in one launch (a
+// lone projection is a group of one). Each member keeps the o-tiles and split-K slices it has on
+// its own (SPLIT_KC in-features a slice, chosen by its shape, never by t), so its outputs do not
+// depend on the rest of the group. table: int64 [members][GROUP_FIELDS], member m's fields at
+// table + m GROUP_FIELDS in the order of the enum; the host builds it (backend/cuda/dense.py).
+// Block b serves the last member whose first block is <= b: o-tile (b - first) / splits,
+// slice (b - first) % splits. A member's outputs start at y + t G_Y ([t, n_out]), its slices'
+// partial outputs at part + t G_PART ([splits, t, n_out]).
+enum GroupField { G_W, G_SCALE, G_OUT, G_SPLITS, G_FIRST, G_Y, G_PART, G_COUNTER, GROUP_FIELDS };
+
+// Split-K without a second launch: every slice block writes its partial tile, then counts itself
+// in at counters[tile] (an integer atomic); the block that arrives last adds the slices in slice
+// order, part[0] + part[1] + ..., whichever block that is, and sets the counter back to 0 for the
+// next launch on this stream.
+static __device__ void add_slices(const float* part, float* y, int* counter, int t, int n_out,
+                                  int splits, int tile) {
+    __shared__ int last;
+    __threadfence();  // this block's partial tile is visible before it counts itself in
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1) == splits - 1;
+        if (last) *counter = 0;
     }
-
-PROJECTIONS_FP8(1) PROJECTIONS_FP8(2)
-
-// y[i] = part[0][i] + part[1][i] + ... + part[splits - 1][i], in that order (grid-stride).
-extern "C" __global__ void linear_split_sum(const float* part, float* y, long long n, int splits) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        float acc = part[i];
-        for (int s = 1; s < splits; ++s) acc += part[s * n + i];
-        y[i] = acc;
+    __syncthreads();
+    if (!last) return;
+    const long long n = (long long)t * n_out;
+    for (int i = threadIdx.x; i < BF16_OUTS * t; i += MMA_THREADS) {
+        const int o = tile * BF16_OUTS + i % BF16_OUTS;
+        if (o >= n_out) continue;
+        const long long at = (long long)(i / BF16_OUTS) * n_out + o;
+        float acc = __ldcg(part + at);  // from L2: the other slices were written by other SMs
+        for (int s = 1; s < splits; ++s) acc += __ldcg(part + s * n + at);
+        y[at] = acc;
     }
 }
+
+// One block of a group: its member's slice of one o-tile through project(w, scale, out, n_in, k0,
+// tile), into y or, split, into its partial tile and then add_slices.
+template <typename Project>
+static __device__ void group_block(const long long* table, int members, float* y, float* part,
+                                   int* counters, int t, int n_in, Project project) {
+    int m = 0;
+    while (m + 1 < members && blockIdx.x >= table[(m + 1) * GROUP_FIELDS + G_FIRST]) ++m;
+    const long long* f = table + m * GROUP_FIELDS;
+    const int n_out = (int)f[G_OUT], splits = (int)f[G_SPLITS], local = blockIdx.x - (int)f[G_FIRST];
+    const int tile = local / splits, s = local % splits;
+    if (splits == 1) {
+        project(f, y + t * f[G_Y], n_in, 0LL, tile);
+        return;
+    }
+    const long long k0 = (long long)s * SPLIT_KC;
+    float* mine = part + t * f[G_PART];
+    project(f, mine + s * (long long)t * n_out, (int)min((long long)SPLIT_KC, n_in - k0), k0, tile);
+    add_slices(mine, y + t * f[G_Y], counters + f[G_COUNTER] + tile, t, n_out, splits, tile);
+}
+
+// grid (the members' blocks), block MMA_THREADS. The launch bounds keep the blocks per SM the
+// registers would otherwise cut (a decode projection is bound by the loads its blocks keep in flight).
+#define PROJECTION_GROUPS(NT, BF16_BLOCKS, FP8_BLOCKS)                                             \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, BF16_BLOCKS)                         \
+    linear_group_bf16_n##NT(const float* x, const long long* table, int members, float* y,         \
+                            float* part, int* counters, int t, int n_in) {                         \
+        group_block(table, members, y, part, counters, t, n_in,                                    \
+                    [&](const long long* f, float* out, int len, long long k0, int tile) {         \
+                        const unsigned short* w = reinterpret_cast<const unsigned short*>(f[G_W]); \
+                        project_bf16<NT>(x + k0, w + k0, out, t, len, (int)f[G_OUT], n_in,         \
+                                         f[G_OUT], n_in, tile);                                    \
+                    });                                                                            \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, FP8_BLOCKS)                          \
+    linear_group_fp8_n##NT(const float* x, const long long* table, int members, float* y,          \
+                           float* part, int* counters, int t, int n_in) {                          \
+        group_block(table, members, y, part, counters, t, n_in,                                    \
+                    [&](const long long* f, float* out, int len, long long k0, int tile) {         \
+                        project_fp8<NT>(x, reinterpret_cast<const unsigned char*>(f[G_W]),         \
+                                        reinterpret_cast<const float*>(f[G_SCALE]), out, t, len,   \
+                                        (int)f[G_OUT], k0, n_in, tile);                            \
+                    });                                                                            \
+    }
+
+PROJECTION_GROUPS(1, 3, 2) PROJECTION_GROUPS(2, 2, 1)
 
 // y[i] = table[ids[i]]; grid (n_ids), block MEMRA_BLOCK. An id outside [0, vocab) gives a NaN
 // row (loud downstream) instead of an out-of-bounds read; host ids are checked before launch.

@@ -86,6 +86,8 @@ CASES = [
     case("linear_bf16_split_k", make_linear(4608, 70, _bf16), _linear),
     # one input, several weights: a prompt's rows (37 > VERIFY_CAP) share the input's bf16 pieces
     case("linears_bf16", make_linears(300, (45, 70, 8), _bf16), linears, ts=(1, 7, 15, 37)),
+    # one launch: a split-K member (three slices added by the launch itself) beside unsplit ones
+    case("linears_bf16_group", make_linears(4608, (70, 45, 300), _bf16), linears),
     case("linears_mixed", make_linears(128, (64, 33, 20), lambda rng, shape, std: (
         normal(rng, shape, std) if shape[0] == 33 else _bf16(rng, shape, std))), linears, ts=(1, 37)),
     case("head_linear", make_head_linear(4, 16, 32), _head_linear),
@@ -127,6 +129,44 @@ def test_prime_class_projection_stays_accurate(name):
     """t > VERIFY_CAP (a prompt): cuBLAS for `linear` and, batched over the heads, `head_linear`
     (test_cuda_prime.py); accuracy is the contract, not row invariance."""
     assert_matches_numpy(DenseOps(), _case(name), 37)
+
+
+def _group_inputs(rng, t):
+    """An input and a projection group: a split-K member (4608 in-features: three slices, 3 tiles),
+    a tile-and-a-half member and a lone-tile one (the KDA mixer's shape of group, small)."""
+    x = cp.asarray(normal(rng, (t, 4608)))
+    ws = [cp.asarray(_bf16(rng, (n, 4608), 4608 ** -0.5)) for n in (70, 45, 8)]
+    return x, ws
+
+
+@pytest.mark.parametrize("t", [1, 8, 15])
+def test_projection_group_gives_each_member_its_own_bits(t):
+    """One launch for the weights that share x equals each weight's own launch bit for bit, and
+    every split-K counter is back to 0 after it (the next launch on the stream counts from 0)."""
+    ops = DenseOps()
+    x, ws = _group_inputs(np.random.default_rng(t), t)
+    grouped = ops.linears(x, ws)
+    for y, w in zip(grouped, ws):
+        alone = ops.linear(x, w)
+        assert y.shape == alone.shape and y.flags.c_contiguous
+        assert cp.array_equal(y.view(cp.uint32), alone.view(cp.uint32))
+    assert not dense._counters().any()
+
+
+def test_projection_group_red_arm_a_dirty_counter_adds_the_slices_early():
+    """The counters carry the split-K protocol: a tile whose counter is not 0 at launch has its
+    slices added before they are all written, and the outputs change (here the first tile's)."""
+    ops = DenseOps()
+    x, ws = _group_inputs(np.random.default_rng(0), 4)
+    clean = ops.linears(x, ws)[0].copy()
+    ops.linears(x * 3, ws)  # leaves other slices in the freed partial buffer
+    dense._counters()[0] = 2  # the first slice to arrive believes it is the third of three
+    dirty = ops.linears(x, ws)[0]
+    assert not cp.array_equal(dirty[:, :32], clean[:, :32])
+    assert cp.array_equal(dirty[:, 32:], clean[:, 32:])  # the other tiles counted from 0
+    counters = dense._counters()
+    assert int(counters[0]) == 2 and not counters[1:].any()  # reset early, then counted twice more
+    counters[0] = 0
 
 
 def test_split_k_follows_the_shape_never_the_exact_class_row_count():

@@ -1,4 +1,4 @@
-"""FP8 weights on the GPU (kernels_cu/exact_mma_fp8.cuh through dense.cu's linear_fp8_* and
+"""FP8 weights on the GPU (kernels_cu/exact_mma_fp8.cuh through dense.cu's linear_group_fp8_* and
 moe.cu's moe_*_fp8_*), against the numpy twin (memra/backend/fp8.py), in the shared harness:
 
 * numpy gate: linear and moe_experts with FP8 weights match NumpyBackend within the bf16 path's
@@ -29,6 +29,7 @@ from memra.backend.cuda.dense import DenseOps  # noqa: E402
 from memra.backend.cuda.fp8 import DeviceFp8  # noqa: E402
 from memra.backend.cuda.moe import MoeOps  # noqa: E402
 from memra.backend.fp8 import E4M3_TO_F32, NAN_CODES, Fp8Block, dequantize, f32_to_e4m3, quantize  # noqa: E402
+from memra.safetensors_io import f32_to_bf16  # noqa: E402
 from tests.backend.harness import (  # noqa: E402
     NUMPY, ROWS, OpGates, RedArm, assert_matches_numpy, draw, row_mismatches, split_dot, table)
 from memra.limits import VERIFY_CAP  # noqa: E402
@@ -112,6 +113,19 @@ def test_device_matrix_reads_one_byte_per_weight():
     w = CudaBackend().matrix(block)
     assert isinstance(w, DeviceFp8) and w.data.dtype == cp.uint8 and w.shape == (300, 1000)
     assert w.nbytes == 300 * 1000 + 3 * 8 * 4
+
+
+@pytest.mark.parametrize("t", [1, 8, 15])
+def test_fp8_projection_group_gives_each_member_its_own_bits(t):
+    """The FP8 weights that share x (a split-K member among them) in one launch equal each
+    weight's own launch bit for bit; bf16 and FP8 members of one call go as two groups."""
+    rng, ops = np.random.default_rng(t), Fp8Ops()
+    x = cp.asarray(normal(rng, (t, 4608)))
+    ws = [ops.matrix(_fp8(rng, (n, 4608), 4608 ** -0.5)) for n in (70, 45)]
+    ws.insert(1, cp.asarray(f32_to_bf16(normal(rng, (33, 4608), 4608 ** -0.5))))
+    for y, w in zip(ops.linears(x, ws), ws):
+        assert cp.array_equal(y.view(cp.uint32), ops.linear(x, w).view(cp.uint32))
+    assert not dense._counters().any()
 
 
 # ---- the identity gate and its red arms -------------------------------------------------------------

@@ -8,9 +8,11 @@ meaning of its twin in `NumpyBackend` (numpy_ref.py) and takes and returns cupy 
 All ops are exact class (DESIGN.md section 2): each output's reduction order is independent of
 the row count, so row r of a t-row call is bit-identical to the row alone. Projection weights
 may be float32 (CUDA cores) or raw bf16 bits (uint16: tensor cores on exact bf16 pieces of the
-activations, kernels_cu/exact_mma.cuh); each weight is read once per call for all rows (up to
-16). A bf16 projection whose outputs fill few blocks splits its in-features into fixed slices
-summed in order (`split_k`, by shape only).
+activations, kernels_cu/exact_mma.cuh) or FP8; each weight is read once per call for all rows (up
+to 16). The bf16 or FP8 weights that share an input run as one launch (a projection group; a lone
+projection is a group of one), each member with the tiles it would have alone: a member whose
+outputs fill few blocks splits its in-features into fixed slices (`split_k`, by shape only) that
+the launch itself adds in order.
 
     ops = DenseOps()
     y = ops.linear(cp.asarray(x, cp.float32), w_bf16)   # x [t, in], w [out, in] -> [t, out]
@@ -18,9 +20,12 @@ summed in order (`split_k`, by shape only).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 import cupy as cp
+
 
 from memra.backend.cuda.fp8 import DeviceFp8
 from memra.backend.cuda.prime import is_prime, pieces, prime_head_linear, prime_linear
@@ -62,29 +67,82 @@ def _elementwise(name: str, inputs: tuple, out, scalars: tuple = ()) -> None:
         launch("dense", name, (grid,), (BLOCK,), (*inputs, out, np.int64(n), *scalars))
 
 
-def _linear_fp8(x, w: DeviceFp8):
-    """The FP8 projection (kernels_cu/exact_mma_fp8.cuh): the bf16 path's tiles, row passes and
-    split-K by shape, each weight one byte, each 128-block partial scaled before it is added."""
-    check(x, cp.float32, "x")
-    n_out, n_in = w.shape
-    assert x.ndim == 2 and x.shape[1] == n_in, f"x: expected [t, {n_in}], got {x.shape}"
-    t = x.shape[0]
+# dense.cu's GroupField order: a projection group's member table has these int64 fields per weight
+GROUP_FIELDS = ("w", "scale", "n_out", "splits", "first", "y", "part", "counter")
+COUNTERS = 1 << 16  # split-K tiles one group launch may count, per stream
+
+
+class _Group:
+    """A projection group's launch plan, independent of t: the member table on the device, the
+    blocks, and the outputs and split-K partial outputs per row."""
+
+    def __init__(self, members: tuple):
+        rows, blocks, outs, parts, tiles_split = [], 0, 0, 0, 0
+        for w, scale, n_out, n_in in members:
+            splits, tiles = split_k(1, n_in, n_out), (n_out + BF16_OUTS - 1) // BF16_OUTS
+            rows.append((w, scale, n_out, splits, blocks, outs, parts, tiles_split))
+            blocks, outs = blocks + tiles * splits, outs + n_out
+            if splits > 1:
+                parts, tiles_split = parts + splits * n_out, tiles_split + tiles
+        assert tiles_split <= COUNTERS, f"a projection group of {tiles_split} split tiles (at most {COUNTERS})"
+        self.table = cp.asarray(np.array(rows, np.int64).reshape(len(members), len(GROUP_FIELDS)))
+        self.n_outs = tuple(m[2] for m in members)
+        self.blocks, self.outs, self.parts = blocks, outs, parts
+
+
+@functools.lru_cache(maxsize=4096)
+def _group(members: tuple) -> _Group:
+    """Keyed by the members' addresses and shapes, which is all the table holds."""
+    return _Group(members)
+
+
+_COUNTERS: dict = {}
+
+
+def _counters():
+    """This stream's split-K tile counters. Each is 0 between launches (the block that adds a
+    tile's slices resets it); launches on one stream never overlap, launches on two might, so
+    each stream counts on its own buffer. The entry keeps its stream, so no later stream reuses
+    the handle."""
+    stream = cp.cuda.get_current_stream()
+    key = (cp.cuda.Device().id, stream.ptr)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = (stream, cp.zeros(COUNTERS, cp.int32))
+    return _COUNTERS[key][1]
+
+
+def _project(x, ws, kind: str) -> list:
+    """[linear(x, w) for w in ws] for bf16 (kind "bf16") or FP8 ("fp8") weights, t <= VERIFY_CAP
+    rows, in one launch (dense.cu's linear_group_*). The outputs are consecutive pieces of one
+    buffer, each C-contiguous [t, n_out]."""
+    t, n_in = x.shape
+    members = []
+    for w in ws:
+        data, scale = (w.data, w.scale_inv.data.ptr) if kind == "fp8" else (w, 0)
+        members.append((data.data.ptr, scale, w.shape[0], n_in))
+    group = _group(tuple(members))
+    y = cp.empty(t * group.outs, cp.float32)
+    starts = np.cumsum((0,) + group.n_outs) * t
+    outs = [y[a:b].reshape(t, n) for a, b, n in zip(starts[:-1], starts[1:], group.n_outs)]
+    if t and group.blocks:
+        part = cp.empty(max(t * group.parts, 1), cp.float32)
+        launch("dense", f"linear_group_{kind}_n{1 if t <= 8 else 2}", (group.blocks,), (BLOCK,),
+               (x, group.table, i32(len(ws)), y, part, _counters(), i32(t), i32(n_in)))
+    return outs
+
+
+def _linear_f32(x, w):
+    """A float32-weight projection of t <= VERIFY_CAP rows on CUDA cores (dense.cu's linear_f32_t<T>)."""
+    t, n_out = x.shape[0], w.shape[0]
     out = cp.empty((t, n_out), cp.float32)
-    if not (t and n_out):
-        return out
-    suffix, blocks = projection("bf16", t, n_out)
-    rows = suffix.replace("bf16_", "")
-    splits = split_k(t, n_in, n_out)
-    if splits == 1:
-        launch("dense", f"linear_fp8_{rows}", (blocks,), (BLOCK,),
-               (x, w.data, w.scale_inv, out, i32(t), i32(n_in), i32(n_out)))
-        return out
-    part = cp.empty((splits, t, n_out), cp.float32)
-    launch("dense", f"linear_fp8_split_{rows}", (blocks, splits), (BLOCK,),
-           (x, w.data, w.scale_inv, part, i32(t), i32(n_in), i32(n_out)))
-    launch("dense", "linear_split_sum", (min((out.size + BLOCK - 1) // BLOCK, MAX_GRID),), (BLOCK,),
-           (part, out, np.int64(out.size), i32(splits)))
+    if t and n_out:
+        suffix, blocks = projection("f32", t, n_out)
+        launch("dense", f"linear_{suffix}", (blocks,), (BLOCK,), (x, w, out, i32(t), i32(w.shape[1]), i32(n_out)))
     return out
+
+
+def _kind(w) -> str:
+    return "fp8" if isinstance(w, DeviceFp8) else weight_kind(w, "w")
 
 
 class DenseOps:
@@ -113,39 +171,27 @@ class DenseOps:
     def linear(self, x, w):
         """y[r] = w @ x[r]; x [t, in], w [out, in] (float32, bf16 bits or DeviceFp8) -> [t, out].
         More than VERIFY_CAP rows (a prompt) go to cuBLAS (prime.py)."""
-        if isinstance(w, DeviceFp8):
-            return prime_linear(x, w) if is_prime(x.shape[0]) else _linear_fp8(x, w)
-        kind = weight_kind(w, "w")
-        check(x, cp.float32, "x")
-        n_out, n_in = w.shape
-        assert x.ndim == 2 and x.shape[1] == n_in, f"x: expected [t, {n_in}], got {x.shape}"
-        t = x.shape[0]
-        if is_prime(t):
-            return prime_linear(x, w)
-        out = cp.empty((t, n_out), cp.float32)
-        if not (t and n_out):
-            return out
-        suffix, blocks = projection(kind, t, n_out)
-        splits = split_k(t, n_in, n_out) if kind == "bf16" else 1
-        if splits == 1:
-            launch("dense", f"linear_{suffix}", (blocks,), (BLOCK,),
-                   (x, w, out, i32(t), i32(n_in), i32(n_out)))
-            return out
-        part = cp.empty((splits, t, n_out), cp.float32)
-        launch("dense", f"linear_{suffix.replace('bf16', 'bf16_split')}", (blocks, splits), (BLOCK,),
-               (x, w, part, i32(t), i32(n_in), i32(n_out)))
-        launch("dense", "linear_split_sum", (min((out.size + BLOCK - 1) // BLOCK, MAX_GRID),), (BLOCK,),
-               (part, out, np.int64(out.size), i32(splits)))
-        return out
+        return self.linears(x, (w,))[0]
 
     def linears(self, x, ws) -> list:
-        """The projections of one input, [linear(x, w) for w in ws]. A prompt's rows are split
+        """The projections of one input, [linear(x, w) for w in ws]. Up to VERIFY_CAP rows, the
+        bf16 weights run as one launch and the FP8 weights as another; a prompt's rows are split
         into their bf16 pieces once for all the bf16 and FP8 weights instead of once per weight."""
-        split = [isinstance(w, DeviceFp8) or weight_kind(w, "w") == "bf16" for w in ws]
-        if not is_prime(x.shape[0]) or sum(split) < 2:
-            return [self.linear(x, w) for w in ws]
-        shared = pieces(x)
-        return [prime_linear(x, w, shared) if s else self.linear(x, w) for w, s in zip(ws, split)]
+        check(x, cp.float32, "x")
+        assert x.ndim == 2, f"x: expected [t, in], got {x.shape}"
+        kinds = [_kind(w) for w in ws]
+        for w in ws:
+            assert w.shape[1] == x.shape[1], f"x: expected [t, {w.shape[1]}], got {x.shape}"
+        if is_prime(x.shape[0]):
+            shared = pieces(x) if sum(k != "f32" for k in kinds) > 1 else None
+            return [prime_linear(x, w, None if k == "f32" else shared) for w, k in zip(ws, kinds)]
+        out = [None] * len(ws)
+        for kind in ("bf16", "fp8"):
+            at = [i for i, k in enumerate(kinds) if k == kind]
+            if at:
+                for i, y in zip(at, _project(x, [ws[i] for i in at], kind)):
+                    out[i] = y
+        return [_linear_f32(x, w) if k == "f32" else y for w, k, y in zip(ws, kinds, out)]
 
     def head_linear(self, x, w):
         """Per-head projection: y[r, h] = w[h] @ x[r, h]; x [t, H, in], w [H, out, in]. More than

@@ -1,6 +1,6 @@
 """FP8 matrices on the device: e4m3 bytes and their float32 block scales, one object.
 
-`CudaBackend.matrix(Fp8Block)` returns a `DeviceFp8`; `linear` (dense.py -> linear_fp8_*) and
+`CudaBackend.matrix(Fp8Block)` returns a `DeviceFp8`; `linear` (dense.py -> linear_group_fp8_*) and
 `moe_experts` (moe.py -> moe_*_fp8_*) take it where they take a bf16 matrix, and read one byte
 per weight (kernels_cu/exact_mma_fp8.cuh). It answers `shape`, `dtype` and `nbytes` like an array,
 so the benchmarks' byte counts see data plus scales.

@@ -222,13 +222,15 @@ def counted_launches():
 
 @contextlib.contextmanager
 def routed_experts(be):
-    """Record, per moe_route call (one per MoE layer walked), how many distinct experts its rows
-    picked: the expert weights the walk reads. Wraps the backend instance's method only."""
+    """Record, per moe_route call (one per MoE layer walked), how many distinct routed experts its
+    rows picked: the expert weights the walk reads (a stacked shared expert, id E, is not one of
+    them: it is read on every walk, counted with the trunk). Wraps the backend instance's method only."""
     inner, picked = be.moe_route, []
 
-    def recording(*args, **kwargs):
-        idx, wts = inner(*args, **kwargs)
-        picked.append(int(np.unique(be.to_host(idx)).size))
+    def recording(x, w_gate, *args, **kwargs):
+        idx, wts = inner(x, w_gate, *args, **kwargs)
+        ids = be.to_host(idx)
+        picked.append(int(np.unique(ids[ids < w_gate.shape[0]]).size))
         return idx, wts
 
     be.moe_route = recording
@@ -254,7 +256,9 @@ def _block_bytes(block) -> tuple[int, int]:
     for name, v in vars(block).items():
         if _is_array(v):
             if isinstance(block, Moe) and name in ROUTED_STACKS:
-                per_expert += v.nbytes // v.shape[0]
+                one = v.nbytes // v.shape[0]
+                per_expert += one
+                whole += one if block.shared_id >= 0 else 0  # the stacked shared expert, read every walk
             else:
                 whole += v.nbytes
         elif type(v).__module__.startswith("memra.model."):

@@ -314,11 +314,13 @@ class NumpyBackend(NumpyKdaOps):
 
     # ---- MoE --------------------------------------------------------------------------------------
     def moe_route(self, x, w_gate, bias, n_group: int, topk_group: int, k: int,
-                  renormalize: bool, scaling: float):
+                  renormalize: bool, scaling: float, shared: int = -1):
         """noaux_tc sigmoid routing: choose by score + bias (within the best groups), weigh by
-        the unbiased score. Returns (experts [t, k] ascending, weights [t, k])."""
+        the unbiased score. Returns (experts [t, k] ascending, weights [t, k]). shared >= 0 (the
+        shared expert's id in the expert stacks, after the E routed ones): every row also takes
+        it, as slot k at weight 1, so moe_experts adds it last: [t, k + 1]."""
         t, e = x.shape[0], w_gate.shape[0]
-        idx, wts = np.empty((t, k), np.int64), np.empty((t, k), F32)
+        idx, wts = np.empty((t, k + (shared >= 0)), np.int64), np.empty((t, k + (shared >= 0)), F32)
         for r in range(t):
             s = _sigmoid(w_gate @ x[r])
             sb = s + bias
@@ -327,11 +329,13 @@ class NumpyBackend(NumpyKdaOps):
             keep = _top(top2[:, 0] + top2[:, 1], topk_group)
             masked = np.full_like(sb, -np.inf).reshape(n_group, -1)
             masked[keep] = groups[keep]
-            idx[r] = _top(masked.reshape(-1), k)
-            chosen = s[idx[r]]
+            idx[r, :k] = _top(masked.reshape(-1), k)
+            chosen = s[idx[r, :k]]
             if renormalize:
                 chosen = chosen / (chosen.sum(dtype=F32) + F32(1e-20))
-            wts[r] = chosen * F32(scaling)
+            wts[r, :k] = chosen * F32(scaling)
+        if shared >= 0:
+            idx[:, k], wts[:, k] = shared, F32(1.0)
         return idx, wts
 
     def moe_experts(self, x, idx, wts, gate_w, up_w, down_w, limit: float) -> np.ndarray:

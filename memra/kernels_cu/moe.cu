@@ -51,11 +51,11 @@ extern "C" __global__ void moe_router_logits(const float* __restrict__ x, const 
     if (lane == 0) logits[(long long)r * E + e] = acc;
 }
 
-// Sum of the two largest biased scores in group g (counted with multiplicity).
-static __device__ float group_score(const float* s, const float* bias, int g, int gsize) {
+// Sum of the two largest biased scores sb in group g (counted with multiplicity).
+static __device__ float group_score(const float* sb, int g, int gsize) {
     float m1 = __int_as_float(0xff800000), m2 = m1;
     for (int e = g * gsize; e < (g + 1) * gsize; ++e) {
-        float v = s[e] + bias[e];
+        const float v = sb[e];
         if (v > m1) {
             m2 = m1;
             m1 = v;
@@ -86,22 +86,20 @@ static __device__ __forceinline__ void warp_best(float& v, int& i) {
 extern "C" __global__ void moe_route_select(const float* logits, const float* bias,
                                             long long* experts, float* weights, int t, int E,
                                             int n_group, int topk_group, int k, int renormalize,
-                                            float scaling) {
-    extern __shared__ float scores[];
+                                            float scaling, int shared) {
+    extern __shared__ float biased[];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int r = blockIdx.x * (blockDim.x / 32) + warp;
     if (r >= t) return;  // whole warps only: no block barrier follows
     const float* lg = logits + (long long)r * E;
-    float* s = scores + warp * E;
-    for (int e = lane; e < E; e += 32) {
-        s[e] = sigmoidf_stable(lg[e]);
-    }
+    float* sb = biased + warp * E;
+    for (int e = lane; e < E; e += 32) sb[e] = sigmoidf_stable(lg[e]) + bias[e];
     __syncwarp();
     const int gsize = E / n_group;
     float gv[MAX_GROUPS / 32];  // this lane's groups: lane, lane + 32, ...
     for (int h = 0; h < MAX_GROUPS / 32; ++h) {
         const int g = lane + 32 * h;
-        gv[h] = g < n_group ? group_score(s, bias, g, gsize) : 0.0f;
+        gv[h] = g < n_group ? group_score(sb, g, gsize) : 0.0f;
     }
     unsigned long long keep = 0ull;
     float prev_v = 0.0f;
@@ -130,7 +128,7 @@ extern "C" __global__ void moe_route_select(const float* logits, const float* bi
         int best_i = -1;
         for (int e = lane; e < E; e += 32) {
             if (!((keep >> (e / gsize)) & 1ull)) continue;
-            float v = s[e] + bias[e];
+            const float v = sb[e];
             bool after = prev_i < 0 || ranks_before(prev_v, prev_i, v, e);
             if (after && ranks_before(v, e, best_v, best_i)) {
                 best_v = v;
@@ -151,13 +149,20 @@ extern "C" __global__ void moe_route_select(const float* logits, const float* bi
         }
         chosen[c + 1] = v;
     }
+    float score[MAX_TOPK];  // the unbiased scores of the chosen experts
+    for (int b = 0; b < k; ++b) score[b] = sigmoidf_stable(lg[chosen[b]]);
     float sum = 0.0f;
-    for (int b = 0; b < k; ++b) sum += s[chosen[b]];
+    for (int b = 0; b < k; ++b) sum += score[b];
+    const long long slots = k + (shared >= 0), at = r * slots;
     for (int b = 0; b < k; ++b) {
-        float wt = s[chosen[b]];
+        float wt = score[b];
         if (renormalize) wt = wt / (sum + 1e-20f);
-        experts[(long long)r * k + b] = chosen[b];
-        weights[(long long)r * k + b] = wt * scaling;
+        experts[at + b] = chosen[b];
+        weights[at + b] = wt * scaling;
+    }
+    if (shared >= 0) {
+        experts[at + k] = shared;
+        weights[at + k] = 1.0f;
     }
 }
 
@@ -380,14 +385,19 @@ static __device__ void down_fp8(const float* h, const long long* idx, const int*
 
 EXPERTS_FP8(1) EXPERTS_FP8(2)
 
-// out[r, c] = sum over the row's slots in order of y[r, s, c] * wt[r, s].
-extern "C" __global__ void moe_combine(const float* y, const float* wts, float* out, int t, int k,
-                                       int D) {
+// out[r, c] = sum over the row's slots in order of y[r, s, c] * wt[r, s]. A slot whose expert id
+// is outside [0, E) was served by no expert block (its y row is unwritten) and adds 0 * wt.
+extern "C" __global__ void moe_combine(const float* y, const long long* idx, const float* wts, float* out,
+                                       int t, int k, int D, int E) {
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (id >= (long long)t * D) return;
     long long r = id / D;
     int c = (int)(id % D);
     float acc = 0.0f;
-    for (int sl = 0; sl < k; ++sl) acc = acc + y[(r * k + sl) * D + c] * wts[r * k + sl];
+    for (int sl = 0; sl < k; ++sl) {
+        const long long e = idx[r * k + sl];
+        const float v = e >= 0 && e < E ? y[(r * k + sl) * D + c] : 0.0f;
+        acc = acc + v * wts[r * k + sl];
+    }
     out[id] = acc;
 }

@@ -28,16 +28,25 @@ class Moe:
         self.be, self.cfg = be, cfg
         self.router = be.weight(w("gate.weight"))
         self.bias = be.weight(w("gate.e_score_correction_bias"))
-        experts = range(cfg.n_routed_experts)
-        stack = lambda part: be.matrix(stack_weights([w(f"experts.{e}.{part}.weight") for e in experts]))
-        self.gate_w, self.up_w, self.down_w = stack("gate_proj"), stack("up_proj"), stack("down_proj")
-        self.shared = DenseMlp(be, lambda n: w("shared_experts." + n), cfg.swiglu_limit)
+        names = [f"experts.{e}" for e in range(cfg.n_routed_experts)]
+        parts = ("gate_proj", "up_proj", "down_proj")
+        stacked = all(_alike(w(f"shared_experts.{p}.weight"), w(f"{names[0]}.{p}.weight")) for p in parts)
+        self.shared_id = cfg.n_routed_experts if stacked else -1
+        self.shared = None if stacked else DenseMlp(be, lambda n: w("shared_experts." + n), cfg.swiglu_limit)
+        names += ["shared_experts"] if stacked else []
+        stack = lambda part: be.matrix(stack_weights([w(f"{n}.{part}.weight") for n in names]))
+        self.gate_w, self.up_w, self.down_w = (stack(p) for p in parts)
 
     def __call__(self, x):
         be, cfg = self.be, self.cfg
         idx, wts = be.moe_route(
             x, self.router, self.bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
-            cfg.norm_topk_prob, cfg.routed_scaling_factor,
+            cfg.norm_topk_prob, cfg.routed_scaling_factor, self.shared_id,
         )
-        routed = be.moe_experts(x, idx, wts, self.gate_w, self.up_w, self.down_w, cfg.swiglu_limit)
-        return be.add(routed, self.shared(x))
+        out = be.moe_experts(x, idx, wts, self.gate_w, self.up_w, self.down_w, cfg.swiglu_limit)
+        return out if self.shared is None else be.add(out, self.shared(x))
+
+
+def _alike(a, b) -> bool:
+    """Same class, dtype and shape (a bf16 array, a float32 one or an FP8 block): one stack."""
+    return type(a) is type(b) and getattr(a, "dtype", None) == getattr(b, "dtype", None) and a.shape == b.shape

@@ -56,7 +56,7 @@ def _route_gap(x, w_gate, bias, n_group, topk_group, k) -> float:
     return min(gaps)
 
 
-def _route(d, e, n_group, topk_group, k, renormalize=True):
+def _route(d, e, n_group, topk_group, k, renormalize=True, shared=-1):
     def make(rng, t):
         for _ in range(1000):
             x, w_gate = normal(rng, (t, d)), normal(rng, (e, d), d ** -0.5)
@@ -66,7 +66,7 @@ def _route(d, e, n_group, topk_group, k, renormalize=True):
         raise AssertionError("no moe_route input with a clear selection margin")
 
     def call(be, r, s):
-        return be.moe_route(r["x"], s["w_gate"], s["bias"], n_group, topk_group, k, renormalize, 2.5)
+        return be.moe_route(r["x"], s["w_gate"], s["bias"], n_group, topk_group, k, renormalize, 2.5, shared)
     return make, call
 
 
@@ -92,6 +92,8 @@ CASES = [
     # the router's D past one batch of loads (2048 per warp), with a partial tail; bench's shape
     case("moe_route_wide_tail", *_route(2100, 16, 2, 1, 3), ts=(1, 7, 15)),
     case("moe_route_bench", *_route(4096, 64, 1, 1, 8), ts=(1, 7, 15)),
+    # the bench layer with its shared expert stacked as expert 64: every row's slot 8, weight 1
+    case("moe_route_bench_shared", *_route(4096, 64, 1, 1, 8, shared=64), ts=(1, 7, 15)),
     case("moe_experts_mini", *_experts(4, 64, 128, 2)),
     case("moe_experts_mini_bf16", *_experts(4, 64, 128, 2, bf16=True)),
     case("moe_experts_small", *_experts(8, 32, 64, 2)),
@@ -165,3 +167,20 @@ def test_moe_expert_list_is_the_ascending_distinct_experts_routed(t, k, e):
     want = np.unique(idx)
     assert int(count.get()[0]) == want.size
     assert np.array_equal(cp.asnumpy(listed)[:want.size], want)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_slot_no_expert_serves_adds_zero(bf16):
+    """A slot whose expert id is outside [0, E) has no block writing its rows (the buffers are not
+    zeroed): the combine adds 0 for it, as if it were a real expert at weight 0."""
+    make, _ = _experts(5, 33, 67, 3, bf16=bf16)
+    rows, mats = make(np.random.default_rng(3), 6)
+    ops, dev = MoeOps(), {n: cp.asarray(m) for n, m in mats.items()}
+    x, idx, wts = (cp.asarray(rows[n]) for n in ("x", "idx", "wts"))
+    weights = (dev["gate_w"], dev["up_w"], dev["down_w"])
+    ops.moe_experts(x * 7, idx, wts, *weights, 10.0)  # leaves other values in the freed buffers
+    bad, zero = idx.copy(), wts.copy()
+    bad[1, 0], bad[4, 2] = -1, 5
+    zero[1, 0], zero[4, 2] = 0.0, 0.0
+    got = ops.moe_experts(x, bad, wts, *weights, 10.0)
+    assert cp.array_equal(got, ops.moe_experts(x, idx, zero, *weights, 10.0))

@@ -173,11 +173,43 @@ def naive_moe(W, x, cfg):
 
 
 def test_moe_block_matches_naive_grouped_routing_and_shared_expert():
-    cfg = SMALL
-    shapes = {k[len("layers.1.mlp."):]: v for k, v in expected_tensors(cfg).items() if k.startswith("layers.1.mlp.")}
-    W = random_weights(shapes, seed=17)
-    x = rows(18, 12, cfg.hidden_size, std=3.0)
-    assert_close(Moe(NumpyBackend(), lambda n: W[n], cfg)(x), naive_moe(W, x, cfg))
+    W, x = _moe_inputs()
+    assert_close(Moe(NumpyBackend(), lambda n: W[n], SMALL)(x), naive_moe(W, x, SMALL))
+
+
+def _moe_inputs():
+    shapes = {k[len("layers.1.mlp."):]: v for k, v in expected_tensors(SMALL).items() if k.startswith("layers.1.mlp.")}
+    return random_weights(shapes, seed=17), rows(18, 12, SMALL.hidden_size, std=3.0)
+
+
+def test_moe_stacks_the_shared_expert_and_routes_every_row_to_it_last():
+    """The shared expert, stacked as expert E and routed to every row as slot k at weight 1, gives
+    the bits of a separate shared MLP added after the routed sum (y * 1 is y, added last)."""
+    W, x = _moe_inputs()
+    be = NumpyBackend()
+    stacked = Moe(be, lambda n: W[n], SMALL)
+    assert stacked.shared is None and stacked.shared_id == SMALL.n_routed_experts
+    assert stacked.gate_w.shape[0] == SMALL.n_routed_experts + 1
+    separate = Moe(be, lambda n: W[n], SMALL)
+    separate.shared_id, separate.shared = -1, DenseMlp(be, lambda n: W["shared_experts." + n], SMALL.swiglu_limit)
+    assert np.array_equal(stacked(x), separate(x))
+
+
+def test_red_arm_a_scaled_shared_slot_changes_the_moe_bits(monkeypatch):
+    """The stacking test above can fail: a shared slot that took routed_scaling_factor (the routed
+    experts' weight scale) instead of 1 changes every row."""
+    W, x = _moe_inputs()
+    be = NumpyBackend()
+    want = Moe(be, lambda n: W[n], SMALL)(x)
+    route = NumpyBackend.moe_route
+
+    def scaled(self, *args, **kwargs):
+        idx, wts = route(self, *args, **kwargs)
+        wts[:, -1] = np.float32(SMALL.routed_scaling_factor)
+        return idx, wts
+    monkeypatch.setattr(NumpyBackend, "moe_route", scaled)
+    got = Moe(be, lambda n: W[n], SMALL)(x)
+    assert (got != want).any(axis=1).all()
 
 
 def test_dense_mlp_matches_naive_clamped_swiglu():

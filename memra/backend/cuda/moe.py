@@ -23,8 +23,9 @@ ROUTE_ROWS = 4  # moe_route_select: rows per block, a warp each; 4 x MOE_MAX_EXP
 
 class MoeOps:
     def moe_route(self, x, w_gate, bias, n_group: int, topk_group: int, k: int,
-                  renormalize: bool, scaling: float):
-        """noaux_tc sigmoid routing -> (experts [t, k] int64 ascending, weights [t, k])."""
+                  renormalize: bool, scaling: float, shared: int = -1):
+        """noaux_tc sigmoid routing -> (experts [t, k] int64 ascending, weights [t, k]); with a
+        shared expert id (>= 0), every row's slot k is that expert at weight 1: [t, k + 1]."""
         check(x, cp.float32, "x")
         check(w_gate, cp.float32, "w_gate")
         check(bias, cp.float32, "bias")
@@ -37,8 +38,9 @@ class MoeOps:
         assert 1 <= topk_group <= n_group, f"topk_group {topk_group} outside 1..{n_group}"
         assert 1 <= k <= min(MAX_TOPK, topk_group * (e // n_group)), (
             f"k {k} outside 1..min({MAX_TOPK}, experts in the kept groups)")
-        experts = cp.empty((t, k), cp.int64)
-        weights = cp.empty((t, k), cp.float32)
+        assert shared < 0 or shared >= e, f"shared expert id {shared} is one of the {e} routed experts"
+        experts = cp.empty((t, k + (shared >= 0)), cp.int64)
+        weights = cp.empty((t, k + (shared >= 0)), cp.float32)
         if t == 0:
             return experts, weights
         if is_prime(t):  # a prompt: one float32 GEMM (prime.py)
@@ -49,7 +51,7 @@ class MoeOps:
                    (x, w_gate, logits, i32(t), i32(e), i32(d)))
         launch("moe", "moe_route_select", (blocks_of(t, ROUTE_ROWS),), (32 * ROUTE_ROWS,),
                (logits, bias, experts, weights, i32(t), i32(e), i32(n_group),
-                i32(topk_group), i32(k), i32(bool(renormalize)), f32(scaling)),
+                i32(topk_group), i32(k), i32(bool(renormalize)), f32(scaling), i32(shared)),
                shared_mem=4 * e * ROUTE_ROWS)
         return experts, weights
 
@@ -79,9 +81,9 @@ class MoeOps:
             return out
         if is_prime(t) and kind != "f32":  # a prompt: cuBLAS GEMMs per routed expert (prime.py)
             return prime_experts(x, idx, wts, gate_w, up_w, down_w, limit)
-        # zeroed so a slot whose expert id matches no block adds 0 rather than garbage
-        h = cp.zeros((t, k, inter), cp.float32)
-        y = cp.zeros((t, k, d), cp.float32)
+        # rows of slots no expert serves (an id outside [0, E)) stay unwritten: moe_combine adds 0
+        h = cp.empty((t, k, inter), cp.float32)
+        y = cp.empty((t, k, d), cp.float32)
         if kind == "fp8":  # the bf16 tiles below, one byte per weight and a scale per 128-block
             self._experts_fp8(x, idx, gate_w, up_w, down_w, h, y, limit)
         elif kind == "bf16":  # tensor-core tiles of gate|up units and of outputs; 8 or 16 rows a pass
@@ -100,7 +102,7 @@ class MoeOps:
             launch("moe", "moe_down_f32", (blocks_of(d, WARPS_PER_BLOCK), e), (BLOCK,),
                    (h, idx, down_w, y, i32(t), i32(k), i32(inter), i32(d)))
         launch("moe", "moe_combine", (blocks_of(t * d),), (BLOCK,),
-               (y, wts, out, i32(t), i32(k), i32(d)))
+               (y, idx, wts, out, i32(t), i32(k), i32(d), i32(e)))
         return out
 
     @staticmethod

@@ -185,7 +185,7 @@ class NumpyBackend(NumpyKdaOps):
         return x * F32(factor)
 
     def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """a + b, elementwise, same shapes (the MoE routed + shared expert sum)."""
+        """a + b, elementwise, same shapes (the MTP block's residuals; a shared expert kept as a separate MLP)."""
         return a + b
 
     def softmax(self, x: np.ndarray) -> np.ndarray:

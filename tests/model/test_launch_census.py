@@ -20,9 +20,10 @@ CUPTI's memra kernels must equal, name for name and count for count, what memra'
 passing it.
 
 Red arms: put back the CuPy expressions the model used (`x * np.float32(f)` for be.scale, the KDA
-q scale and the indexer weight scale; `a + b` for be.add, the MoE routed + shared sum). The
-census then fails with exactly one foreign kernel per call site and walk, while the real ops
-pass on the same model and inputs.
+q scale and the indexer weight scale; `a + b` for be.add, the MoE routed + shared sum where the
+shared expert runs as a separate MLP: on a model loaded that way, as memra stacks a shared expert
+with the routed ones whenever their shapes match). The census then fails with exactly one
+foreign kernel per call site and walk, while the real ops pass on the same model and inputs.
 
 Run on the GPU host: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/model/test_launch_census.py
 """
@@ -48,6 +49,7 @@ from memra import load_model  # noqa: E402
 from memra.backend.cuda import runtime  # noqa: E402
 from memra.backend.cuda.graphs import WalkGraphs  # noqa: E402
 from memra.config import KDA  # noqa: E402
+from memra.model import moe  # noqa: E402
 from memra.model.moe import Moe  # noqa: E402
 
 FAMILIES = sorted(p.name[:-3] for p in runtime.kernel_dir().iterdir() if p.name.endswith(".cu"))
@@ -105,12 +107,24 @@ def model(request, fixture_dir):
     return load_model(fixture_dir(name, seed=seed, dtype=dtype), backend="cuda")
 
 
+@pytest.fixture(scope="module")
+def separate_shared(fixture_dir):
+    """mini with each shared expert loaded as a separate MLP, added to the routed sum by be.add."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(moe, "_alike", lambda a, b: False)
+        model = load_model(fixture_dir("mini", seed=0, dtype="float32"), backend="cuda")
+    assert _sites(model)["add"] > 0
+    return model
+
+
 def _sites(model) -> dict[str, int]:
-    """Call sites per walk: be.scale (each KDA q, each own indexer's weights), be.add (each MoE)."""
+    """Call sites per walk: be.scale (each KDA q, each own indexer's weights), be.add (each MoE whose
+    shared expert is a separate MLP)."""
     layers = model.layers
     kda = sum(layer.kind == KDA for layer in layers)
     indexers = sum(layer.kind != KDA and layer.mixer.indexer is not None for layer in layers)
-    return {"scale": kda + indexers, "add": sum(isinstance(layer.ffn, Moe) for layer in layers)}
+    return {"scale": kda + indexers,
+            "add": sum(isinstance(layer.ffn, Moe) and layer.ffn.shared is not None for layer in layers)}
 
 
 def _ready_cache(model):
@@ -148,7 +162,9 @@ def test_decode_step_and_verify_walk_launch_only_memra_kernels_and_plain_copies(
     ("scale", lambda x, factor: x * np.float32(factor), "cupy_multiply"),
     ("add", lambda a, b: a + b, "cupy_add"),
 ])
-def test_red_arm_cupy_arithmetic_put_back_fails_the_census(model, op, put_back, ufunc, tmp_path, monkeypatch):
+def test_red_arm_cupy_arithmetic_put_back_fails_the_census(model, separate_shared, op, put_back, ufunc, tmp_path,
+                                                           monkeypatch):
+    model = separate_shared if op == "add" else model
     walks = lambda cache: [PHASES[phase](model, cache) for phase in sorted(PHASES)]
     green_cache, red_cache = _ready_cache(model), _ready_cache(model)
     green = take_census(lambda: walks(green_cache), tmp_path / "green.json")

@@ -140,7 +140,6 @@ static __device__ void project_bf16(const float* x, const unsigned short* w, flo
     const unsigned short* wrow[J][2];
 #pragma unroll
     for (int j = 0; j < J; ++j) mma_rows(w, o0 + 16 * j, n_out, w_stride, wrow[j]);
-    prefetch_rows(w, o0, min(o0 + BF16_OUTS, n_out), 2LL * n_in, 2 * w_stride);
     for (int r0 = 0; r0 < t; r0 += 8 * NT) {  // more than 8 NT rows only in the prime class
         const int nr = min(8 * NT, t - r0);
         const float* xrow[NT];
@@ -186,7 +185,6 @@ static __device__ void project_fp8(const float* x, const unsigned char* w, const
         mma_rows_fp8(w + k0, scale, o0 + 16 * j, n_out, w_stride, n_kb, wrow[j], srow[j]);
         if (srow[j] != nullptr) srow[j] += k0 / FP8_BLOCK;
     }
-    prefetch_rows(w + k0, o0, min(o0 + BF16_OUTS, n_out), n_in, w_stride);
     for (int r0 = 0; r0 < t; r0 += 8 * NT) {  // more than 8 NT rows only in the prime class
         const int nr = min(8 * NT, t - r0);
         const float* xrow[NT];

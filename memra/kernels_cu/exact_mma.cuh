@@ -92,21 +92,6 @@ static __device__ __forceinline__ void mma_rows(const unsigned short* w, int o, 
     }
 }
 
-// Asks L2 for the block's weight rows before the tile's first load waits on them: rows [r0, r1)
-// of `rows` (row_bytes each, stride_bytes apart), each thread its share of their 128-byte lines.
-// A prefetch reads nothing into a register and changes no value, so the tile's bits are its own;
-// what it buys is the block's whole weight tile in flight at once instead of a warp's one load
-// at a time. Only bytes inside the rows are named.
-static __device__ __forceinline__ void prefetch_rows(const void* rows, int r0, int r1, long long row_bytes,
-                                                     long long stride_bytes) {
-    const long long lines = (row_bytes + 127) / 128;
-    const char* base = static_cast<const char*>(rows);
-    for (long long i = threadIdx.x; i < (r1 - r0) * lines; i += blockDim.x) {
-        const char* p = base + (r0 + i / lines) * stride_bytes + (i % lines) * 128;
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-    }
-}
-
 // A warp's accumulators (MMA C layout) set to +0.
 template <int J, int NT>
 static __device__ __forceinline__ void mma_zero(float (&acc)[J][NT][4]) {

@@ -273,9 +273,6 @@ static __device__ void gate_up_bf16(const float* x, const long long* idx, const 
         wrow[0][hh] = i < I ? gate_w + off : nullptr;
         wrow[1][hh] = i < I ? up_w + off : nullptr;
     }
-    const long long expert = (long long)e * I * D;
-    prefetch_rows(gate_w + expert, i0, min(i0 + GATE_UP_UNITS, I), 2LL * D, 2LL * D);
-    prefetch_rows(up_w + expert, i0, min(i0 + GATE_UP_UNITS, I), 2LL * D, 2LL * D);
     auto mma = [&](const float* const (&xrow)[NT], MmaTile<2, NT>& sh) {
         mma_tile<2, NT>(wrow, xrow, D, w_aligned, x_aligned, sh);
     };
@@ -296,7 +293,6 @@ static __device__ void down_bf16(const float* h, const long long* idx, const int
     const unsigned short* wrow[J][2];
 #pragma unroll
     for (int j = 0; j < J; ++j) mma_rows(down_w + (long long)e * D * I, c0 + 16 * j, D, I, wrow[j]);
-    prefetch_rows(down_w + (long long)e * D * I, c0, min(c0 + BF16_OUTS, D), 2LL * I, 2LL * I);
     auto mma = [&](const float* const (&xrow)[NT], MmaTile<J, NT>& sh) {
         mma_tile<J, NT>(wrow, xrow, I, w_aligned, x_aligned, sh);
     };
@@ -340,8 +336,6 @@ static __device__ void gate_up_fp8(const float* x, const long long* idx, const i
     const float* srow[2];
     mma_rows_fp8(gate_w + (long long)e * I * D, gate_s + e * rows * cols, i0, I, D, cols, wrow[0], srow[0]);
     mma_rows_fp8(up_w + (long long)e * I * D, up_s + e * rows * cols, i0, I, D, cols, wrow[1], srow[1]);
-    prefetch_rows(gate_w + (long long)e * I * D, i0, min(i0 + GATE_UP_UNITS, I), D, D);
-    prefetch_rows(up_w + (long long)e * I * D, i0, min(i0 + GATE_UP_UNITS, I), D, D);
     // mma_rows_fp8 gives rows i0 + g and i0 + 8 + g: the gate row and the up row of a unit meet in one lane
     auto mma = [&](const float* const (&xrow)[NT], MmaTile<2, NT>& sh) {
         mma_tile_fp8<2, NT>(wrow, srow, xrow, D, w_aligned, x_aligned, sh);
@@ -367,7 +361,6 @@ static __device__ void down_fp8(const float* h, const long long* idx, const int*
     for (int j = 0; j < J; ++j)
         mma_rows_fp8(down_w + (long long)e * D * I, down_s + e * rows * cols, c0 + 16 * j, D, I, cols,
                      wrow[j], srow[j]);
-    prefetch_rows(down_w + (long long)e * D * I, c0, min(c0 + BF16_OUTS, D), I, I);
     auto mma = [&](const float* const (&xrow)[NT], MmaTile<J, NT>& sh) {
         mma_tile_fp8<J, NT>(wrow, srow, xrow, I, w_aligned, x_aligned, sh);
     };

@@ -33,10 +33,13 @@ def cupy_graph_ms(fn) -> float:
     writes are never handed to other arrays while it is replayed."""
     import cupy as cp
 
+    from memra.backend.cuda.dense import graph_counters, split_k_counters
+
     fn()
     cp.cuda.Device().synchronize()
     pool, stream = cp.cuda.MemoryPool(), cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
-    with cp.cuda.using_allocator(pool.malloc), stream:
+    counters = split_k_counters()  # kept past the capture: the replays count on them
+    with cp.cuda.using_allocator(pool.malloc), stream, graph_counters(counters):
         stream.begin_capture()
         try:
             for _ in range(GRAPH_CALLS):

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
 from memra import load_model  # noqa: E402
+from memra.backend.cuda import dense  # noqa: E402
 from memra.backend.cuda.graphs import WalkGraphs  # noqa: E402
 from tests.speculative.battery import live_state  # noqa: E402
 
@@ -70,6 +71,17 @@ def test_graph_decoding_is_eager_decoding_bit_for_bit_on_two_caches_in_turn(mode
         assert list(cache.walks.graphs) == [(1, False, ())], "the decode walk was not captured"
     for e, g in zip(eager, graphed):
         assert _same(e, g)
+
+
+def test_a_captured_walk_owns_its_split_k_counters(model):
+    """A graph's projection groups count split-K tiles on counters the graph owns, so capturing
+    walks (a cache's, a session's) pins no per-stream buffer; the counters are 0 between replays."""
+    before = dict(dense._COUNTERS)
+    cache = _cache(model, True)
+    _greedy(model, [(cache, _prompt(model, 9, 4))])
+    (captured,) = cache.walks.graphs.values()
+    assert dense._COUNTERS.keys() == before.keys()
+    assert not captured.counters.any()
 
 
 def test_a_prefill_is_never_captured(model):

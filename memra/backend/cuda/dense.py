@@ -20,6 +20,8 @@ the launch itself adds in order.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import numpy as np
@@ -97,13 +99,33 @@ def _group(members: tuple) -> _Group:
 
 
 _COUNTERS: dict = {}
+_CAPTURING = contextvars.ContextVar("split_k_counters", default=None)
+
+
+def split_k_counters():
+    """Zeroed split-K tile counters for a graph about to be captured, which keeps them (its
+    replays run on whatever stream launches them); `with graph_counters(c):` around the capture."""
+    return cp.zeros(COUNTERS, cp.int32)
+
+
+@contextlib.contextmanager
+def graph_counters(counters):
+    """The group launches captured inside count on `counters` (split_k_counters)."""
+    token = _CAPTURING.set(counters)
+    try:
+        yield
+    finally:
+        _CAPTURING.reset(token)
 
 
 def _counters():
-    """This stream's split-K tile counters. Each is 0 between launches (the block that adds a
-    tile's slices resets it); launches on one stream never overlap, launches on two might, so
-    each stream counts on its own buffer. The entry keeps its stream, so no later stream reuses
-    the handle."""
+    """The split-K tile counters of this launch. Each is 0 between launches (the block that adds a
+    tile's slices resets it). Launches on one stream never overlap, launches on two might: a graph
+    being captured counts on its own buffer (graph_counters, owned by the graph), an eager launch
+    on its stream's. A stream's entry keeps the stream, so no later stream reuses the handle."""
+    captured = _CAPTURING.get()
+    if captured is not None:
+        return captured
     stream = cp.cuda.get_current_stream()
     key = (cp.cuda.Device().id, stream.ptr)
     if key not in _COUNTERS:

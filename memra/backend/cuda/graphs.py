@@ -21,6 +21,8 @@ import numpy as np
 
 import cupy as cp
 
+from memra.backend.cuda.dense import graph_counters, split_k_counters
+
 
 def _packed(tokens, pos0: int) -> np.ndarray:
     """The walk's host inputs in one int32 upload: [pos0, tokens...]."""
@@ -34,8 +36,9 @@ class CapturedWalk:
         self.pool = cp.cuda.MemoryPool()
         self.inputs = cp.asarray(packed)
         self.arrays = tuple(a.copy() for a in arrays)  # device inputs, copied in before a replay
+        self.counters = split_k_counters()  # the graph's projection groups count split-K tiles here
         stream = cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
-        with cp.cuda.using_allocator(self.pool.malloc), stream:
+        with cp.cuda.using_allocator(self.pool.malloc), stream, graph_counters(self.counters):
             stream.begin_capture()
             try:
                 self.outputs = walk(self.inputs[1:], self.inputs[:1], *self.arrays)

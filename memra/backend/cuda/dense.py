@@ -28,7 +28,6 @@ import numpy as np
 
 import cupy as cp
 
-
 from memra.backend.cuda.fp8 import DeviceFp8
 from memra.backend.cuda.prime import is_prime, pieces, prime_head_linear, prime_linear
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, check, f32, i32, launch, position, weight_kind
@@ -71,7 +70,7 @@ def _elementwise(name: str, inputs: tuple, out, scalars: tuple = ()) -> None:
 
 # dense.cu's GroupField order: a projection group's member table has these int64 fields per weight
 GROUP_FIELDS = ("w", "scale", "n_out", "splits", "first", "y", "part", "counter")
-COUNTERS = 1 << 16  # split-K tiles one group launch may count, per stream
+COUNTERS = 1 << 16  # split-K tiles one group launch may count (the size of a counter buffer)
 
 
 class _Group:
@@ -80,7 +79,7 @@ class _Group:
 
     def __init__(self, members: tuple):
         rows, blocks, outs, parts, tiles_split = [], 0, 0, 0, 0
-        for w, scale, n_out, n_in in members:
+        for w, scale, n_out, n_in in members:  # exact-class rows only: splits by the shape alone
             splits, tiles = split_k(1, n_in, n_out), (n_out + BF16_OUTS - 1) // BF16_OUTS
             rows.append((w, scale, n_out, splits, blocks, outs, parts, tiles_split))
             blocks, outs = blocks + tiles * splits, outs + n_out

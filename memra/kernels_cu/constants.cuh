@@ -34,6 +34,9 @@
 #ifndef VERIFY_CAP
 #define VERIFY_CAP 15
 #endif
+#ifndef NORM_WARP_ROW
+#define NORM_WARP_ROW 1024
+#endif
 #ifndef HC_MAX_N
 #define HC_MAX_N 8
 #endif

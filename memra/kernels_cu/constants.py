@@ -28,6 +28,9 @@ BF16_OUTS = 32    # outputs per block of a bf16 (tensor-core) projection or MoE 
 SPLIT_KC = 2048   # in-features per split-K slice of a bf16 projection (a size, never a count)
 FP8_BLOCK = 128   # FP8 weights: one scale per FP8_BLOCK x FP8_BLOCK block (the release's weight_block_size)
 
+# norm.cu: the sum-of-squares norms give rows of at most this many elements a warp each
+NORM_WARP_ROW = 4 * MEMRA_BLOCK
+
 # hyper.cu
 HC_MAX_N = 8                  # streams: hc_weights holds the n x n mix in a warp, n^2 / 32 a lane
 HC_CHUNK = MEMRA_BLOCK * 8    # flattened stream elements per hc_partials block
@@ -62,6 +65,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "SPLIT_KC": SPLIT_KC,
     "FP8_BLOCK": FP8_BLOCK,
     "VERIFY_CAP": VERIFY_CAP,
+    "NORM_WARP_ROW": NORM_WARP_ROW,
     "HC_MAX_N": HC_MAX_N,
     "HC_CHUNK": HC_CHUNK,
     "HC_SLOTS": HC_SLOTS,

@@ -3,7 +3,9 @@
 // elements i, i+MEMRA_BLOCK, ... in increasing order, then common.cuh's fixed tree combines the
 // partials. The order depends only on the row length, never on how many rows the launch holds,
 // so row r of a t-row call is bit-identical to the row computed alone.
-// grid (rows), block MEMRA_BLOCK for every kernel here.
+// grid (rows), block MEMRA_BLOCK for every kernel here, except that the sum-of-squares norms
+// take per_warp = 1 for short rows: grid (ceil(rows / WARPS_PER_BLOCK)), a warp per row, the
+// same order played by one warp (warp_sum_squares), so the same bits from 8x fewer blocks.
 #include "common.cuh"
 
 static __device__ __forceinline__ const float* row_in(const float* a, int n) {
@@ -12,6 +14,19 @@ static __device__ __forceinline__ const float* row_in(const float* a, int n) {
 
 static __device__ __forceinline__ float* row_out(float* a, int n) {
     return a + (long long)blockIdx.x * n;
+}
+
+// The row a sum-of-squares kernel owns, its first element `first` and the stride `step` its
+// threads walk it with: the block's row (per_warp 0), or the warp's (-1 past the last row).
+struct RowSpan {
+    long long row;
+    int first, step;
+};
+
+static __device__ __forceinline__ RowSpan row_span(int rows, int per_warp) {
+    if (!per_warp) return {blockIdx.x, (int)threadIdx.x, MEMRA_BLOCK};
+    const long long row = (long long)blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / 32;
+    return {row < rows ? row : -1, (int)threadIdx.x % 32, 32};
 }
 
 // Elements a thread loads before it uses them: a row of a decode step is one block, so a
@@ -31,30 +46,62 @@ static __device__ float row_sum_squares(const float* __restrict__ x, int n, floa
     return block_sum(s, shm);
 }
 
+// row_sum_squares of a row by one warp, the same bits: lane l plays threads l + 32j (j <
+// WARPS_PER_BLOCK), each folding its elements in order; block_sum's tree steps of stride
+// MEMRA_BLOCK / 2 .. 32 then pair a lane's own partials, the last five pair lanes (shfl_down
+// hands lane l the partial of l + o, as the tree's shm[l + o]). Rows up to NORM_WARP_ROW.
+static __device__ float warp_sum_squares(const float* __restrict__ x, int n) {
+    const int lane = threadIdx.x % 32;
+    float v[WARPS_PER_BLOCK];
+#pragma unroll
+    for (int j = 0; j < WARPS_PER_BLOCK; ++j) {
+        float s = 0.0f;
+#pragma unroll
+        for (int b = 0; b < NORM_WARP_ROW / MEMRA_BLOCK; ++b) {
+            const int k = lane + 32 * j + b * MEMRA_BLOCK;
+            if (k < n) s = s + x[k] * x[k];
+        }
+        v[j] = s;
+    }
+#pragma unroll
+    for (int s = WARPS_PER_BLOCK / 2; s > 0; s >>= 1)
+#pragma unroll
+        for (int j = 0; j < s; ++j) v[j] = v[j] + v[j + s];
+    for (int o = 16; o > 0; o >>= 1) v[0] = v[0] + __shfl_down_sync(0xffffffffu, v[0], o);
+    return __shfl_sync(0xffffffffu, v[0], 0);
+}
+
+// The row's sum of squares, by its block or its warp.
+static __device__ float span_sum_squares(const float* x, int n, int per_warp, float* shm) {
+    return per_warp ? warp_sum_squares(x, n) : row_sum_squares(x, n, shm);
+}
+
 // 1 / sqrt(mean(x^2) + eps), as numpy_ref's _rmsnorm_row computes it.
-static __device__ float rms_scale(const float* x, int n, float eps, float* shm) {
-    const float mean = row_sum_squares(x, n, shm) / (float)n;
+static __device__ float rms_scale(const float* x, int n, float eps, int per_warp, float* shm) {
+    const float mean = span_sum_squares(x, n, per_warp, shm) / (float)n;
     return 1.0f / sqrtf(mean + eps);
 }
 
 // w may be null (unweighted RMSNorm).
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w,
-                                        float* __restrict__ y, int n, float eps) {
+                                        float* __restrict__ y, int n, float eps, int rows, int per_warp) {
     __shared__ float shm[MEMRA_BLOCK];
-    const float* xr = row_in(x, n);
-    float* yr = row_out(y, n);
-    const float inv = rms_scale(xr, n, eps, shm);
-    for (int k0 = threadIdx.x; k0 < n; k0 += ROW_BATCH * MEMRA_BLOCK) {
+    const RowSpan at = row_span(rows, per_warp);
+    if (at.row < 0) return;  // a warp past the last row (no block-wide sync follows in a warp's row)
+    const float* xr = x + at.row * n;
+    float* yr = y + at.row * n;
+    const float inv = rms_scale(xr, n, eps, per_warp, shm);
+    for (int k0 = at.first; k0 < n; k0 += ROW_BATCH * at.step) {
         float xv[ROW_BATCH], wv[ROW_BATCH];
 #pragma unroll
         for (int b = 0; b < ROW_BATCH; ++b) {
-            const int k = k0 + b * MEMRA_BLOCK;
+            const int k = k0 + b * at.step;
             xv[b] = k < n ? xr[k] : 0.0f;
             wv[b] = k < n && w ? w[k] : 0.0f;
         }
 #pragma unroll
         for (int b = 0; b < ROW_BATCH; ++b) {
-            const int k = k0 + b * MEMRA_BLOCK;
+            const int k = k0 + b * at.step;
             const float v = xv[b] * inv;
             if (k < n) yr[k] = w ? v * wv[b] : v;
         }
@@ -64,14 +111,16 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float
 // rmsnorm(o) * w * sigmoid(gate): KDA's output norm.
 extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, const float* __restrict__ gate,
                                               const float* __restrict__ w, float* __restrict__ y,
-                                              int n, float eps) {
+                                              int n, float eps, int rows, int per_warp) {
     __shared__ float shm[MEMRA_BLOCK];
-    const float* orow = row_in(o, n);
-    const float* grow = row_in(gate, n);
-    float* yr = row_out(y, n);
-    const float inv = rms_scale(orow, n, eps, shm);
+    const RowSpan at = row_span(rows, per_warp);
+    if (at.row < 0) return;
+    const float* orow = o + at.row * n;
+    const float* grow = gate + at.row * n;
+    float* yr = y + at.row * n;
+    const float inv = rms_scale(orow, n, eps, per_warp, shm);
 #pragma unroll 4
-    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK)
+    for (int k = at.first; k < n; k += at.step)
         yr[k] = ((orow[k] * inv) * w[k]) * sigmoidf_exact(grow[k]);
 }
 
@@ -94,12 +143,14 @@ extern "C" __global__ void layernorm_rows(const float* x, const float* w, const 
 }
 
 // x / sqrt(sum(x^2) + eps) (fla's convention: eps inside the sqrt).
-extern "C" __global__ void l2norm_rows(const float* x, float* y, int n, float eps) {
+extern "C" __global__ void l2norm_rows(const float* x, float* y, int n, float eps, int rows, int per_warp) {
     __shared__ float shm[MEMRA_BLOCK];
-    const float* xr = row_in(x, n);
-    float* yr = row_out(y, n);
-    const float den = sqrtf(row_sum_squares(xr, n, shm) + eps);
-    for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) yr[k] = xr[k] / den;
+    const RowSpan at = row_span(rows, per_warp);
+    if (at.row < 0) return;
+    const float* xr = x + at.row * n;
+    float* yr = y + at.row * n;
+    const float den = sqrtf(span_sum_squares(xr, n, per_warp, shm) + eps);
+    for (int k = at.first; k < n; k += at.step) yr[k] = xr[k] / den;
 }
 
 // exp(x - max) / sum(exp(x - max)); the exponentials are recomputed (same inputs, same bits).

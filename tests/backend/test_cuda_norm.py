@@ -17,7 +17,8 @@ from tests.gpu import cupy_or_skip
 pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
-from memra.backend.cuda.norm import ARGMAX_SPAN, NormOps  # noqa: E402
+from memra.backend.cuda.norm import ARGMAX_SPAN, NormOps, launch_norm  # noqa: E402
+from memra.kernels_cu.constants import NORM_WARP_ROW  # noqa: E402
 from tests.backend.harness import OpGates, RedArm, split_dot, table  # noqa: E402
 from tests.backend.inputs import make_norm, make_rows, normal  # noqa: E402
 
@@ -126,3 +127,44 @@ def test_wrapper_refuses_non_contiguous_or_wrongly_typed_inputs():
         ops.rmsnorm(x.T, None, 1e-5)
     with pytest.raises(AssertionError, match="float32"):
         ops.softmax(x.astype(cp.float64))
+
+
+# n around the warp path's edges: a lane's first element, one fold of the tree, NORM_WARP_ROW
+WARP_NS = (1, 31, 33, 100, 128, 255, 256, 257, 1000, NORM_WARP_ROW)
+
+
+def _both_paths(kernel, n, make_args):
+    """The kernel's output over 13 rows of n, a block a row and a warp a row."""
+    outs = []
+    for per_warp in (False, True):
+        out = cp.zeros((13, n), cp.float32)
+        launch_norm(kernel, 13, n, make_args(out), per_warp=per_warp)
+        outs.append(cp.asnumpy(out))
+    return outs
+
+
+@pytest.mark.parametrize("n", WARP_NS)
+def test_a_warp_a_row_gives_the_blocks_bits(n):
+    rng = np.random.default_rng(n)
+    x, gate = (cp.asarray(normal(rng, (13, n), s)) for s in (1.0, 2.0))
+    w = cp.asarray((1 + 0.3 * normal(rng, (n,))).astype(F32))
+    eps = F32(1e-6)
+    for kernel, make_args in (
+            ("rmsnorm_rows", lambda out: (x, w, out, np.int32(n), eps)),
+            ("rmsnorm_rows", lambda out: (x, None, out, np.int32(n), eps)),
+            ("l2norm_rows", lambda out: (x, out, np.int32(n), eps)),
+            ("gated_rmsnorm_rows", lambda out: (x, gate, w, out, np.int32(n), eps))):
+        block, warp = _both_paths(kernel, n, make_args)
+        assert block.tobytes() == warp.tobytes(), f"{kernel} n={n}"
+
+
+def test_the_warp_paths_inputs_feel_the_summation_order():
+    """Red arm of the test above: on the same kind of rows, another order of the same sum of
+    squares (numpy's pairwise one) moves the bits of some row's norm, so equal bits say the
+    warp plays the block's order, not that any order would do."""
+    n = 1000
+    x = cp.asarray(normal(np.random.default_rng(n), (13, n)))
+    block, _ = _both_paths("l2norm_rows", n, lambda out: (x, out, np.int32(n), F32(1e-6)))
+    host = cp.asnumpy(x)
+    other = host / np.sqrt(np.sum(host * host, axis=-1, keepdims=True, dtype=F32) + F32(1e-6))
+    assert block.tobytes() != other.astype(F32).tobytes()

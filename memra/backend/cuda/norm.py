@@ -1,8 +1,10 @@
 """The norm family of the CUDA backend (kernels_cu/norm.cu): row reductions over the last axis.
 
 RMSNorm (plain and gated), LayerNorm, L2 norm, softmax, log-softmax and argmax, one block per
-row, each row's reduction in a fixed order whatever the row count (exact class). A mixin of
-CudaBackend with the signatures of NumpyBackend's twins:
+row, each row's reduction in a fixed order whatever the row count (exact class); the
+sum-of-squares norms give a row of at most NORM_WARP_ROW elements (a KDA head, a latent) one
+warp that plays the block's order, the same bits. A mixin of CudaBackend with the signatures of
+NumpyBackend's twins:
 
     ops = NormOps()
     y = ops.rmsnorm(x, w, eps=1e-6)          # x [..., n] float32 cupy, w [n] or None
@@ -12,7 +14,8 @@ from __future__ import annotations
 
 import cupy as cp
 
-from memra.backend.cuda.runtime import BLOCK, check, f32, i32, launch, rows_of, vector
+from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, rows_of, vector
+from memra.kernels_cu.constants import NORM_WARP_ROW, WARPS_PER_BLOCK
 
 
 def _row_map(kernel: str, x):
@@ -22,6 +25,15 @@ def _row_map(kernel: str, x):
     if rows:
         launch("norm", kernel, (rows,), (BLOCK,), (x, out, i32(n)))
     return out
+
+
+def launch_norm(kernel: str, rows: int, n: int, args: tuple, per_warp: bool | None = None) -> None:
+    """Launch an rmsnorm-like kernel over `rows` rows of n: a warp a row when n <= NORM_WARP_ROW
+    (per_warp None), else a block a row. The choice depends on n only, so it never moves a row's
+    bits with the row count; either path gives the same bits (per_warp forces one, for the test)."""
+    per_warp = n <= NORM_WARP_ROW if per_warp is None else per_warp
+    grid = blocks_of(rows, WARPS_PER_BLOCK) if per_warp else rows
+    launch("norm", kernel, (grid,), (BLOCK,), (*args, i32(rows), i32(per_warp)))
 
 
 ARGMAX_SPAN = 4096  # elements per argmax_parts block: a 155k vocab row spreads over 38 blocks
@@ -35,7 +47,7 @@ class NormOps:
             vector(w, n, "w")
         out = cp.empty_like(x)
         if rows:
-            launch("norm", "rmsnorm_rows", (rows,), (BLOCK,), (x, w, out, i32(n), f32(eps)))
+            launch_norm("rmsnorm_rows", rows, n, (x, w, out, i32(n), f32(eps)))
         return out
 
     def layernorm(self, x, w, b, eps: float):
@@ -52,7 +64,7 @@ class NormOps:
         rows, n = rows_of(x, "x")
         out = cp.empty_like(x)
         if rows:
-            launch("norm", "l2norm_rows", (rows,), (BLOCK,), (x, out, i32(n), f32(eps)))
+            launch_norm("l2norm_rows", rows, n, (x, out, i32(n), f32(eps)))
         return out
 
     def gated_rmsnorm(self, o, gate, w, eps: float):
@@ -63,8 +75,7 @@ class NormOps:
         vector(w, n, "w")
         out = cp.empty_like(o)
         if rows:
-            launch("norm", "gated_rmsnorm_rows", (rows,), (BLOCK,),
-                   (o, gate, w, out, i32(n), f32(eps)))
+            launch_norm("gated_rmsnorm_rows", rows, n, (o, gate, w, out, i32(n), f32(eps)))
         return out
 
     def softmax(self, x):

@@ -11,17 +11,31 @@ static __device__ __forceinline__ float hc_warp_sum(float v) {
     return v;
 }
 
-// Thread (a, b) of the n x n mixing matrix c (shared): c[a, b] /= (sum of its column + eps),
-// or of its row; every thread of a column (row) adds it in ascending order, the same bits.
-static __device__ void hc_normalise(float* c, int n, int a, int b, bool columns, float eps) {
-    float s = 0.0f;
-    if (a < n) {
-        s = columns ? c[b] : c[a * n];
-        for (int i = 1; i < n; ++i) s += columns ? c[i * n + b] : c[a * n + i];
+// hc_weights runs in one warp: lane l owns entries e = l + 32q (q < HC_ENTRIES) of the n x n
+// mix, so the 2 x iters Sinkhorn normalisations sync with __syncwarp, not a block barrier.
+#define HC_ENTRIES ((HC_MAX_N * HC_MAX_N + 31) / 32)
+
+// c[e] /= (the sum of e's column + eps), or of its row, for the lane's entries (a[q], b[q]) of
+// the n x n mix c (shared); every entry of a column (row) adds it in ascending order, the same
+// bits. The unrolled, guarded loop lets a lane issue its n loads before the first add.
+static __device__ void hc_normalise(float* c, int n, const int* a, const int* b, bool columns, float eps) {
+    float s[HC_ENTRIES];
+#pragma unroll
+    for (int q = 0; q < HC_ENTRIES; ++q) {
+        s[q] = 0.0f;
+        if (a[q] < n) {
+            float acc = columns ? c[b[q]] : c[a[q] * n];
+#pragma unroll
+            for (int i = 1; i < HC_MAX_N; ++i)
+                if (i < n) acc += columns ? c[i * n + b[q]] : c[a[q] * n + i];
+            s[q] = acc;
+        }
     }
-    __syncthreads();  // every sum is read before any entry changes
-    if (a < n) c[a * n + b] = c[a * n + b] / (s + eps);
-    __syncthreads();
+    __syncwarp();  // every sum is read before any entry changes
+#pragma unroll
+    for (int q = 0; q < HC_ENTRIES; ++q)
+        if (a[q] < n) c[a[q] * n + b[q]] = c[a[q] * n + b[q]] / (s[q] + eps);
+    __syncwarp();
 }
 
 // Site weights in two launches, so the (2+n)n x nD matvec spreads over many blocks instead of
@@ -70,45 +84,55 @@ extern "C" __global__ void hc_partials(const float* __restrict__ streams, const 
     }
 }
 
-// grid (t), block HC_MAX_N^2: thread (a, b) = (tid / n, tid % n). base [(2+n)n]; scale [3].
-// Outputs pre [t, n], post [t, n], comb [t, n, n], in the reference's operation order.
+// grid (t), block 32: lane l owns entries (a, b) = (e / n, e % n), e = l + 32q. base [(2+n)n];
+// scale [3]. Outputs pre [t, n], post [t, n], comb [t, n, n], in the reference's operation order.
 extern "C" __global__ void hc_weights(const float* __restrict__ part, const float* __restrict__ base,
                                       const float* __restrict__ scale, float* __restrict__ pre,
                                       float* __restrict__ post, float* __restrict__ comb, int n,
                                       int d, int chunks, float rms_eps, float hc_eps, int iters) {
     __shared__ float m[HC_MAX_OUTS + 1];
     __shared__ float c[HC_MAX_N * HC_MAX_N];
-    const int r = blockIdx.x, outs = (2 + n) * n, a = threadIdx.x / n, b = threadIdx.x % n;
+    const int r = blockIdx.x, outs = (2 + n) * n, lane = threadIdx.x;
+    int a[HC_ENTRIES], b[HC_ENTRIES];  // a = n past the mix: no entry
+#pragma unroll
+    for (int q = 0; q < HC_ENTRIES; ++q) {
+        const int e = lane + 32 * q;
+        a[q] = e < n * n ? e / n : n;
+        b[q] = e % n;
+    }
     const float* p = part + (long long)r * chunks * (outs + 1);
-    for (int j = threadIdx.x; j <= outs; j += blockDim.x) {
+    for (int j = lane; j <= outs; j += 32) {
         float sum = p[j];
         for (int k = 1; k < chunks; ++k) sum += p[(long long)k * (outs + 1) + j];
         m[j] = sum;
     }
-    __syncthreads();
+    __syncwarp();
     const float inv = 1.0f / sqrtf(m[outs] / (float)(n * d) + rms_eps);
-    if (threadIdx.x < n) {
-        const int i = threadIdx.x;
-        pre[r * n + i] = sigmoidf_stable(m[i] * inv * scale[0] + base[i]) + hc_eps;
-        post[r * n + i] = 2.0f * sigmoidf_stable(m[n + i] * inv * scale[1] + base[n + i]);
+    if (lane < n) {
+        pre[r * n + lane] = sigmoidf_stable(m[lane] * inv * scale[0] + base[lane]) + hc_eps;
+        post[r * n + lane] = 2.0f * sigmoidf_stable(m[n + lane] * inv * scale[1] + base[n + lane]);
     }
-    // c = row softmax of the logits + eps: each thread of row a walks the row in order
-    if (a < n) {
-        const float* mc = m + 2 * n + a * n;
-        const float* bc = base + 2 * n + a * n;
+    // c = row softmax of the logits + eps: each entry of row a walks the row in order
+#pragma unroll
+    for (int q = 0; q < HC_ENTRIES; ++q) {
+        if (a[q] >= n) continue;
+        const float* mc = m + 2 * n + a[q] * n;
+        const float* bc = base + 2 * n + a[q] * n;
         float mx = __int_as_float(0xff800000);  // -inf (no host math.h under NVRTC)
         for (int i = 0; i < n; ++i) mx = fmaxf(mx, mc[i] * inv * scale[2] + bc[i]);
         float s = 0.0f;
         for (int i = 0; i < n; ++i) s += expf(mc[i] * inv * scale[2] + bc[i] - mx);
-        c[a * n + b] = expf(mc[b] * inv * scale[2] + bc[b] - mx) / s + hc_eps;
+        c[a[q] * n + b[q]] = expf(mc[b[q]] * inv * scale[2] + bc[b[q]] - mx) / s + hc_eps;
     }
-    __syncthreads();
+    __syncwarp();
     hc_normalise(c, n, a, b, true, hc_eps);
     for (int it = 1; it < iters; ++it) {
         hc_normalise(c, n, a, b, false, hc_eps);
         hc_normalise(c, n, a, b, true, hc_eps);
     }
-    if (a < n) comb[(long long)r * n * n + a * n + b] = c[a * n + b];
+#pragma unroll
+    for (int q = 0; q < HC_ENTRIES; ++q)
+        if (a[q] < n) comb[(long long)r * n * n + a[q] * n + b[q]] = c[a[q] * n + b[q]];
 }
 
 // The per-channel kernels below: grid (ceil(D / block), min(t, 65535)), thread k of a row,

@@ -11,19 +11,14 @@ from __future__ import annotations
 import cupy as cp
 
 from memra.backend.cuda.prime import is_prime, prime_hc_partials
-from memra.backend.cuda.runtime import BLOCK, blocks_of, device_input, f32, i32, launch
+from memra.backend.cuda.runtime import BLOCK, columns_grid, device_input, f32, i32, launch
 from memra.kernels_cu.constants import HC_CHUNK, HC_MAX_N, HC_SLOTS
-
-
-def _channels_grid(t: int, d: int) -> tuple[int, int]:
-    """hc_collapse / hc_combine / stream_mean: a thread per channel, rows over grid y (looped past 65535)."""
-    return blocks_of(d), min(t, 65535)
 
 
 class HyperOps:
     def hc_weights(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int):
         """(pre [t, n], post [t, n], comb [t, n, n]): fixed chunks of the flattened streams
-        spread the fn matvec over blocks, then one small block per row adds them up in order."""
+        spread the fn matvec over blocks, then one warp per row adds them up in order."""
         streams = device_input(streams, "streams")
         t, n, d = streams.shape
         assert 1 <= n <= HC_MAX_N, f"hc_weights: n={n} streams, at most {HC_MAX_N}"
@@ -42,7 +37,7 @@ class HyperOps:
                 launch("hyper", "hc_partials", (part.shape[1], t, slots), (BLOCK,),
                        (streams, fn, part, i32(n), i32(d)))
             chunks = part.shape[1]
-            launch("hyper", "hc_weights", (t,), (HC_MAX_N * HC_MAX_N,),
+            launch("hyper", "hc_weights", (t,), (32,),
                    (part, base, scale, pre, post, comb, i32(n), i32(d), i32(chunks), f32(rms_eps),
                     f32(hc_eps), i32(iters)))
         return pre, post, comb
@@ -54,7 +49,7 @@ class HyperOps:
         assert pre.shape == (t, n), f"hc_collapse: pre {pre.shape}, expected {(t, n)}"
         out = cp.empty((t, d), cp.float32)
         if t:
-            launch("hyper", "hc_collapse", _channels_grid(t, d), (BLOCK,),
+            launch("hyper", "hc_collapse", columns_grid(t, d), (BLOCK,),
                    (streams, pre, out, i32(t), i32(n), i32(d)))
         return out
 
@@ -67,7 +62,7 @@ class HyperOps:
             f"hc_combine: f {f.shape}, post {post.shape}, comb {comb.shape} for streams {streams.shape}")
         out = cp.empty((t, n, d), cp.float32)
         if t:
-            launch("hyper", "hc_combine", _channels_grid(t, d), (BLOCK,),
+            launch("hyper", "hc_combine", columns_grid(t, d), (BLOCK,),
                    (streams, f, post, comb, out, i32(t), i32(n), i32(d)))
         return out
 
@@ -76,5 +71,5 @@ class HyperOps:
         t, n, d = streams.shape
         out = cp.empty((t, d), cp.float32)
         if t:
-            launch("hyper", "stream_mean", _channels_grid(t, d), (BLOCK,), (streams, out, i32(t), i32(n), i32(d)))
+            launch("hyper", "stream_mean", columns_grid(t, d), (BLOCK,), (streams, out, i32(t), i32(n), i32(d)))
         return out

@@ -116,5 +116,11 @@ def blocks_of(n: int, per: int = BLOCK) -> int:
     return (n + per - 1) // per
 
 
+def columns_grid(rows: int, d: int) -> tuple[int, int]:
+    """A thread per column of d, rows over grid y (the kernel loops past 65535): no 64-bit
+    division per element."""
+    return blocks_of(d), min(rows, 65535)
+
+
 def grid_1d(total: int) -> tuple[int]:
     return (blocks_of(total),)

@@ -83,6 +83,15 @@ def test_pieces_add_back_to_the_activations_bit_for_bit():
     assert cp.array_equal(prime.prime_linear(x, eye), x)
 
 
+def test_pieces_cover_rows_past_one_grid_of_row_blocks():
+    """The elementwise kernels take rows over grid y (at most 65535) and loop past it: the last
+    rows of a taller x get their pieces too, the same as the first rows' (hi + mid + lo == x)."""
+    x = cp.asarray(normal(np.random.default_rng(7), (65535 + 300, 3)))
+    xp = prime.pieces(x).view(cp.uint16).astype(cp.uint32) << 16
+    parts = xp.view(cp.float32)
+    assert cp.array_equal((parts[:, 2] + parts[:, 1]) + parts[:, 0], x)
+
+
 def test_gathered_pieces_read_the_named_rows():
     x = cp.asarray(normal(np.random.default_rng(6), (20, 64)))
     rows = cp.asarray(np.array([19, 0, 7, 7], np.int64))

@@ -198,6 +198,28 @@ def test_a_prompts_fp8_projection_is_float32_accurate(monkeypatch):
     assert error() > PRIME_REL
 
 
+def test_a_prompts_fp8_expert_products_are_float32_accurate(monkeypatch):
+    """A prompt's FP8 expert GEMMs (prime._expert_gemm) on 40 slots' piece rows: each weight
+    piece meets only the activation pieces it is kept with (six products of the nine), and each
+    slot's three output rows add back to within PRIME_REL of float64 of the dequantized product;
+    with the weight's mid plane zeroed the bound breaks."""
+    rng = np.random.default_rng(14)
+    block, x = _fp8(rng, (300, 1290), 1290 ** -0.5), normal(rng, (40, 1290))
+    want = x.astype(np.float64) @ dequantize(block).astype(np.float64).T
+    stack = DeviceFp8(cp.asarray(block.data)[None], cp.asarray(block.scale_inv)[None])
+    xp = prime.pieces(cp.asarray(x))  # [40, 3, 1290]: each slot's hi, mid and lo rows
+
+    def error():
+        rows = cp.zeros((40, 3, 300), cp.float32)
+        prime._expert_gemm(prime._handle(), xp.data.ptr, 1290, 40, stack, 0, rows.data.ptr)
+        return _rel_error((rows[:, 2] + rows[:, 1]) + rows[:, 0], want)
+
+    assert error() <= PRIME_REL
+    pieces, keep = prime.fp8_pieces, cp.asarray([1, 0, 1], cp.uint16)[:, None, None]
+    monkeypatch.setattr(prime, "fp8_pieces", lambda data, scale: pieces(data, scale) * keep)
+    assert error() > PRIME_REL
+
+
 def test_fp8_pieces_add_back_to_the_dequantized_weight():
     block = _fp8(np.random.default_rng(13), (130, 300), 0.05)
     planes = cp.asnumpy(prime.fp8_pieces(cp.asarray(block.data), cp.asarray(block.scale_inv)))

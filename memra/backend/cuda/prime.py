@@ -14,7 +14,8 @@ weight once per 16 rows and run at under 2% of the tensor cores' rate on a long 
   cores;
 * an FP8 weight is dequantized (e4m3 times its block scale, one float32 rounding) into the bf16
   pieces of its float32 values, and meets the activation's pieces in the six products of size
-  at least 2^-16 (a routed expert's rows, single pieces already, meet all three weight pieces);
+  at least 2^-16 (a routed expert's piece rows too: each weight piece meets the row sets of
+  the activation pieces it is kept with);
 * a float32 weight (test fixtures) or the remaining float32 x float32 products (router logits,
   pool scores, mHC partials) run as float32 GEMMs (cupy.matmul: no TF32 unless CUPY_TF32 is set).
 
@@ -29,7 +30,7 @@ import cupy as cp
 from cupy_backends.cuda.libs import cublas
 
 from memra.backend.cuda.fp8 import DeviceFp8
-from memra.backend.cuda.runtime import BLOCK, MAX_GRID, blocks_of, check, f32, i32, launch
+from memra.backend.cuda.runtime import BLOCK, MAX_GRID, blocks_of, check, columns_grid, f32, i32, launch
 from memra.backend.pieces import LEFT_ORDER, PIECES, RIGHT_COPIES, SEGMENTS, piece_map
 from memra.limits import VERIFY_CAP
 
@@ -64,7 +65,7 @@ def pieces(x, rows=None):
     m, d = (x.shape[0] if rows is None else rows.size), x.shape[1]
     out = cp.empty((m, PIECES, d), cp.uint16)
     if m * d:
-        launch("prime", "bf16_pieces", (min(blocks_of(m * d), MAX_GRID),), (BLOCK,),
+        launch("prime", "bf16_pieces", columns_grid(m, d), (BLOCK,),
                (x, rows, out, np.int64(m), i32(d)))
     return out
 
@@ -123,7 +124,7 @@ def fp8_pieces(data, scale_inv):
     n_out, n_in = data.shape
     out = cp.empty((PIECES, n_out, n_in), cp.uint16)
     if data.size:
-        launch("prime", "fp8_pieces", (min(blocks_of(data.size), MAX_GRID),), (BLOCK,),
+        launch("prime", "fp8_pieces", columns_grid(n_out, n_in), (BLOCK,),
                (data, scale_inv, out, i32(n_out), i32(n_in)))
     return out
 
@@ -142,15 +143,26 @@ def _gemm_products(xp, planes, products):
 
 
 def _expert_gemm(handle: int, b: int, ldb: int, m: int, stack, ex: int, c: int) -> None:
-    """C [m, out] = B @ stack[ex].T for B's m rows of bf16 bits: a bf16 expert in one GEMM; an FP8
-    one in the three GEMMs of its dequantized pieces, smallest first (B's rows are single
-    pieces, so this is every product)."""
+    """C [3m, out] (+)= B @ stack[ex].T for B's 3m piece rows of bf16 bits (each of m slots' hi,
+    mid and lo rows, row stride ldb): a bf16 expert in one GEMM. An FP8 expert adds, into C the
+    caller zeroed, the six products of size at least 2^-16, smallest weight piece first: the lo
+    plane meets the hi rows, the mid plane the hi and the mid rows (row sets of stride 3), the
+    hi plane every row; 6m rows' GEMMs instead of 9m."""
     if not isinstance(stack, DeviceFp8):
-        _gemm(handle, b, ldb, m, stack[ex], c)
+        _gemm(handle, b, ldb, PIECES * m, stack[ex], c)
         return
     planes = fp8_pieces(stack.data[ex], stack.scale_inv[ex])
-    for i, piece in enumerate(reversed(range(PIECES))):
-        _gemm(handle, b, ldb, m, planes[piece], c, accumulate=i > 0)
+    n_out, n_in = planes.shape[1:]
+    for piece in reversed(range(1, PIECES)):
+        for rows in range(PIECES - piece):  # the activation pieces this weight piece is kept with
+            _gemm_bf16(handle, m, n_out, n_in, b + 2 * rows * ldb, PIECES * ldb, planes[piece].data.ptr, n_in,
+                       c + 4 * rows * n_out, PIECES * n_out, accumulate=True)
+    _gemm(handle, b, ldb, PIECES * m, planes[0], c, accumulate=True)
+
+
+def _expert_rows(shape, stack):
+    """The float32 GEMM rows of an expert matrix: zeroed when its FP8 products accumulate into them."""
+    return cp.zeros(shape, cp.float32) if isinstance(stack, DeviceFp8) else cp.empty(shape, cp.float32)
 
 
 def prime_head_linear(x, w):
@@ -181,14 +193,14 @@ def prime_experts(x, idx, wts, gate_w, up_w, down_w, limit: float):
     out = cp.empty_like(x)
     for r0 in range(0, x.shape[0], MOE_ROWS):
         rows = slice(r0, r0 + MOE_ROWS)
-        out[rows] = _experts(x[rows], idx[rows], wts[rows], gate_w, up_w, down_w, limit)
+        _experts(x[rows], idx[rows], wts[rows], gate_w, up_w, down_w, limit, out[rows])
     return out
 
 
-def _experts(x, idx, wts, gate_w, up_w, down_w, limit: float):
-    """The (row, slot) pairs sorted by expert; each expert's rows as 3m piece rows, one GEMM per
-    weight; the hidden rows and the weighted sum per row one kernel each. The host reads the
-    counts once."""
+def _experts(x, idx, wts, gate_w, up_w, down_w, limit: float, out) -> None:
+    """out [t, D] (a row slice: contiguous) = the routed experts of x's rows. The (row, slot) pairs
+    sorted by expert; each expert's rows as 3m piece rows, one GEMM per weight; the hidden rows
+    and the weighted sum per row one kernel each. The host reads the counts once."""
     (t, k), (e, inter, d) = idx.shape, gate_w.shape
     flat = idx.reshape(-1)
     order = cp.argsort(flat)
@@ -197,43 +209,49 @@ def _experts(x, idx, wts, gate_w, up_w, down_w, limit: float):
     counts = cp.asnumpy(cp.bincount(flat, minlength=e)).tolist()
     starts = np.cumsum([0] + counts[:-1]).tolist()
     xp, slots = pieces(x, order // k), order.size
-    gate = cp.empty((slots, PIECES, inter), cp.float32)
-    up = cp.empty((slots, PIECES, inter), cp.float32)
+    gate, up = _expert_rows((slots, PIECES, inter), gate_w), _expert_rows((slots, PIECES, inter), up_w)
     handle = _handle()
     for ex, (start, m) in enumerate(zip(starts, counts)):
         if m:
             src = xp.data.ptr + 2 * PIECES * start * d
-            _expert_gemm(handle, src, d, PIECES * m, gate_w, ex, gate.data.ptr + 4 * PIECES * start * inter)
-            _expert_gemm(handle, src, d, PIECES * m, up_w, ex, up.data.ptr + 4 * PIECES * start * inter)
+            _expert_gemm(handle, src, d, m, gate_w, ex, gate.data.ptr + 4 * PIECES * start * inter)
+            _expert_gemm(handle, src, d, m, up_w, ex, up.data.ptr + 4 * PIECES * start * inter)
     hidden = cp.empty((slots, PIECES, inter), cp.uint16)
-    launch("prime", "swiglu_pieces", (min(blocks_of(slots * inter), MAX_GRID),), (BLOCK,),
+    launch("prime", "swiglu_pieces", columns_grid(slots, inter), (BLOCK,),
            (gate, up, hidden, np.int64(slots), i32(inter), f32(limit)))
-    down = cp.empty((slots, PIECES, d), cp.float32)
+    down = _expert_rows((slots, PIECES, d), down_w)
     for ex, (start, m) in enumerate(zip(starts, counts)):
         if m:
-            _expert_gemm(handle, hidden.data.ptr + 2 * PIECES * start * inter, inter, PIECES * m, down_w, ex,
+            _expert_gemm(handle, hidden.data.ptr + 2 * PIECES * start * inter, inter, m, down_w, ex,
                          down.data.ptr + 4 * PIECES * start * d)
-    out = cp.empty((t, d), cp.float32)
-    launch("prime", "expert_combine", (min(blocks_of(t * d), MAX_GRID),), (BLOCK,),
+    launch("prime", "expert_combine", columns_grid(t, d), (BLOCK,),
            (down, at, wts, out, i32(t), i32(k), i32(d)))
-    return out
 
 
 def prime_hc_partials(streams, fn):
     """hc_weights' partials [t, 1, outs + 1] as one chunk: each flattened row's dots with the
     outs rows of fn, then its sum of squares (one kernel pass). The dots run as HC_SPLITS slices
-    of the flattened axis, batched, then summed: one GEMM of few outputs and a long axis fills few blocks."""
+    of the flattened axis, one float32 GEMM batched over the slices (read in place: the rows'
+    stride spans the whole axis), then summed: one GEMM of few outputs and a long axis fills few blocks."""
     check(streams, cp.float32, "streams")
     t, outs = streams.shape[0], fn.shape[0]
     flat = streams.reshape(t, -1)
-    splits = HC_SPLITS if flat.shape[1] % HC_SPLITS == 0 else 1
-    a = flat.reshape(t, splits, -1).transpose(1, 0, 2)     # [S, t, nD / S]
-    b = fn.reshape(outs, splits, -1).transpose(1, 2, 0)    # [S, nD / S, outs]
+    nd = flat.shape[1]
+    splits = HC_SPLITS if nd % HC_SPLITS == 0 else 1
+    span = nd // splits
     out = cp.empty((t, 1, outs + 1), cp.float32)
-    out[:, 0, :outs] = cp.matmul(a, b).sum(axis=0)
-    if t:
-        launch("prime", "row_sum_squares", (t,), (BLOCK,),
-               (flat, out, np.int64(flat.shape[1]), i32(outs + 1), i32(outs)))
+    if not t:
+        return out
+    dots = cp.empty((splits, t, outs), cp.float32)
+    # column-major per slice s: dots_s^T [outs, t] = fn_s [outs, span] x_s^T [span, t], the
+    # slices span apart in both operands
+    cublas.gemmStridedBatchedEx(
+        _handle(), cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, outs, t, span, _ONE.ctypes.data,
+        fn.data.ptr, R_32F, nd, span, flat.data.ptr, R_32F, nd, span,
+        _ZERO.ctypes.data, dots.data.ptr, R_32F, outs, t * outs, splits, COMPUTE_32F, GEMM_DEFAULT)
+    out[:, 0, :outs] = dots.sum(axis=0)
+    launch("prime", "row_sum_squares", (t,), (BLOCK,),
+           (flat, out, np.int64(nd), i32(outs + 1), i32(outs)))
     return out
 
 
@@ -260,7 +278,7 @@ def put_piece_copies(x, out, order, row_stride: int, copy_stride: int) -> None:
     (m, d), copies = x.shape, len(order)
     assert (m - 1) * row_stride + (copies - 1) * copy_stride + d <= out.size, f"out {out.shape} for x {x.shape}"
     if m * d:
-        launch("prime", "piece_copies", (min(blocks_of(m * d), MAX_GRID),), (BLOCK,),
+        launch("prime", "piece_copies", columns_grid(m, d), (BLOCK,),
                (x, out, np.int64(m), i32(d), i32(copies), i32(piece_map(order)), np.int64(row_stride),
                 np.int64(copy_stride)))
 

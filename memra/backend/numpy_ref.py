@@ -97,6 +97,11 @@ class NumpyBackend(NumpyKdaOps):
         """An owned copy (a walk's outputs may be buffers the next walk overwrites)."""
         return np.array(a, copy=True)
 
+    def assign(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """dst[...] = src in place (same shape and dtype)."""
+        assert dst.shape == src.shape and dst.dtype == src.dtype, f"assign: {src.shape} {src.dtype} into {dst.shape} {dst.dtype}"
+        np.copyto(dst, src)
+
     def concat(self, arrays, axis: int = -1) -> np.ndarray:
         return np.concatenate(arrays, axis=axis)
 

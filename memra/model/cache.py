@@ -32,10 +32,11 @@ class KdaPart:
     ring_rows: object = None    # [VERIFY_CAP - 1, n, K-1, 3C], made by the first verify walk
     state_rows: object = None   # [VERIFY_CAP - 1, n, Hk, dk, dv]
 
-    def restore(self, keep: int) -> None:
-        """Every layer back to `keep` rows into the last verify walk (1 <= keep < its t)."""
-        self.ring[...] = self.ring_rows[keep - 1]
-        self.state[...] = self.state_rows[keep - 1]
+    def restore(self, keep: int, be) -> None:
+        """Every layer back to `keep` rows into the last verify walk (1 <= keep < its t): two
+        in-place copies on backend `be`."""
+        be.assign(self.ring, self.ring_rows[keep - 1])
+        be.assign(self.state, self.state_rows[keep - 1])
 
 
 @dataclass

@@ -197,7 +197,7 @@ class Glm5Model:
     def _rollback_layers(self, layers, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
         if keep < ckpt.rows:
             for part, _ in self._kda_parts(cache, layers):
-                part.restore(keep)
+                part.restore(keep, self.be)
         for layer in layers:
             if layer.kind != KDA:
                 plane = cache.mla[layer.index]

@@ -157,7 +157,7 @@ def _accept_then_continue(model, prompt_len, keep, stale_kda=False, snapshot_shi
             cache.kda[i].ring[...] = ring
             cache.kda[i].state[...] = state
     for part in cache.kda_parts if snapshot_shift else ():  # red arm: the snapshot of another row
-        part.restore(keep + snapshot_shift)
+        part.restore(keep + snapshot_shift, model.be)
     ref, _ = primed(model, prompt)
     kept_logits = decode_chain(model, ref, rows[:keep])
     assert np.array_equal(host(model, walk_logits)[:keep], kept_logits)

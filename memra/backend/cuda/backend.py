@@ -85,5 +85,13 @@ class CudaBackend(DenseOps, NormOps, HyperOps, KdaOps, MlaOps, MoeOps, PhiloxOps
     def copy(self, a):
         return a.copy()
 
+    def assign(self, dst, src) -> None:
+        """dst[...] = src in place, as one device-to-device memcpy on the current stream (a
+        rollback's state restore: no elementwise kernel's host work)."""
+        assert dst.shape == src.shape and dst.dtype == src.dtype, f"assign: {src.shape} {src.dtype} into {dst.shape} {dst.dtype}"
+        assert dst.flags.c_contiguous and src.flags.c_contiguous, "assign: both sides must be C-contiguous"
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                    cp.cuda.get_current_stream().ptr)
+
     def concat(self, arrays, axis: int = -1):
         return cp.ascontiguousarray(cp.concatenate(arrays, axis=axis))

@@ -16,18 +16,20 @@ static __device__ __forceinline__ float* row_out(float* a, int n) {
     return a + (long long)blockIdx.x * n;
 }
 
-// The row a sum-of-squares kernel owns, its first element `first` and the stride `step` its
-// threads walk it with: the block's row (per_warp 0), or the warp's (-1 past the last row).
-struct RowSpan {
+// The row a sum-of-squares kernel's thread works on: its block's (WARP false), or its warp's
+// (-1 past the last row). Its threads walk the row from `first` in steps of STEP.
+template <bool WARP>
+struct NormRow {
+    static constexpr int STEP = WARP ? 32 : MEMRA_BLOCK;
     long long row;
-    int first, step;
-};
+    int first;
 
-static __device__ __forceinline__ RowSpan row_span(int rows, int per_warp) {
-    if (!per_warp) return {blockIdx.x, (int)threadIdx.x, MEMRA_BLOCK};
-    const long long row = (long long)blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / 32;
-    return {row < rows ? row : -1, (int)threadIdx.x % 32, 32};
-}
+    __device__ __forceinline__ explicit NormRow(int rows) {
+        const long long r = WARP ? (long long)blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / 32 : blockIdx.x;
+        row = r < rows ? r : -1;
+        first = WARP ? threadIdx.x % 32 : threadIdx.x;
+    }
+};
 
 // Elements a thread loads before it uses them: a row of a decode step is one block, so a
 // load round trip per element would bound it; 16 covers a 4096-wide row in one round.
@@ -72,36 +74,39 @@ static __device__ float warp_sum_squares(const float* __restrict__ x, int n) {
 }
 
 // The row's sum of squares, by its block or its warp.
-static __device__ float span_sum_squares(const float* x, int n, int per_warp, float* shm) {
-    return per_warp ? warp_sum_squares(x, n) : row_sum_squares(x, n, shm);
+template <bool WARP>
+static __device__ __forceinline__ float sum_squares(const float* x, int n, float* shm) {
+    return WARP ? warp_sum_squares(x, n) : row_sum_squares(x, n, shm);
 }
 
 // 1 / sqrt(mean(x^2) + eps), as numpy_ref's _rmsnorm_row computes it.
-static __device__ float rms_scale(const float* x, int n, float eps, int per_warp, float* shm) {
-    const float mean = span_sum_squares(x, n, per_warp, shm) / (float)n;
+template <bool WARP>
+static __device__ float rms_scale(const float* x, int n, float eps, float* shm) {
+    const float mean = sum_squares<WARP>(x, n, shm) / (float)n;
     return 1.0f / sqrtf(mean + eps);
 }
 
 // w may be null (unweighted RMSNorm).
-extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w,
-                                        float* __restrict__ y, int n, float eps, int rows, int per_warp) {
-    __shared__ float shm[MEMRA_BLOCK];
-    const RowSpan at = row_span(rows, per_warp);
-    if (at.row < 0) return;  // a warp past the last row (no block-wide sync follows in a warp's row)
+template <bool WARP>
+static __device__ void rmsnorm_row(const float* __restrict__ x, const float* __restrict__ w,
+                                   float* __restrict__ y, int n, float eps, int rows, float* shm) {
+    constexpr int STEP = NormRow<WARP>::STEP;
+    const NormRow<WARP> at(rows);
+    if (at.row < 0) return;  // a warp past the last row (a warp's row has no block-wide sync)
     const float* xr = x + at.row * n;
     float* yr = y + at.row * n;
-    const float inv = rms_scale(xr, n, eps, per_warp, shm);
-    for (int k0 = at.first; k0 < n; k0 += ROW_BATCH * at.step) {
+    const float inv = rms_scale<WARP>(xr, n, eps, shm);
+    for (int k0 = at.first; k0 < n; k0 += ROW_BATCH * STEP) {
         float xv[ROW_BATCH], wv[ROW_BATCH];
 #pragma unroll
         for (int b = 0; b < ROW_BATCH; ++b) {
-            const int k = k0 + b * at.step;
+            const int k = k0 + b * STEP;
             xv[b] = k < n ? xr[k] : 0.0f;
             wv[b] = k < n && w ? w[k] : 0.0f;
         }
 #pragma unroll
         for (int b = 0; b < ROW_BATCH; ++b) {
-            const int k = k0 + b * at.step;
+            const int k = k0 + b * STEP;
             const float v = xv[b] * inv;
             if (k < n) yr[k] = w ? v * wv[b] : v;
         }
@@ -109,19 +114,52 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float
 }
 
 // rmsnorm(o) * w * sigmoid(gate): KDA's output norm.
-extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, const float* __restrict__ gate,
-                                              const float* __restrict__ w, float* __restrict__ y,
-                                              int n, float eps, int rows, int per_warp) {
-    __shared__ float shm[MEMRA_BLOCK];
-    const RowSpan at = row_span(rows, per_warp);
+template <bool WARP>
+static __device__ void gated_rmsnorm_row(const float* __restrict__ o, const float* __restrict__ gate,
+                                         const float* __restrict__ w, float* __restrict__ y, int n, float eps,
+                                         int rows, float* shm) {
+    const NormRow<WARP> at(rows);
     if (at.row < 0) return;
     const float* orow = o + at.row * n;
     const float* grow = gate + at.row * n;
     float* yr = y + at.row * n;
-    const float inv = rms_scale(orow, n, eps, per_warp, shm);
+    const float inv = rms_scale<WARP>(orow, n, eps, shm);
 #pragma unroll 4
-    for (int k = at.first; k < n; k += at.step)
+    for (int k = at.first; k < n; k += NormRow<WARP>::STEP)
         yr[k] = ((orow[k] * inv) * w[k]) * sigmoidf_exact(grow[k]);
+}
+
+// x / sqrt(sum(x^2) + eps) (fla's convention: eps inside the sqrt).
+template <bool WARP>
+static __device__ void l2norm_row(const float* __restrict__ x, float* __restrict__ y, int n, float eps, int rows,
+                                  float* shm) {
+    const NormRow<WARP> at(rows);
+    if (at.row < 0) return;
+    const float* xr = x + at.row * n;
+    float* yr = y + at.row * n;
+    const float den = sqrtf(sum_squares<WARP>(xr, n, shm) + eps);
+    for (int k = at.first; k < n; k += NormRow<WARP>::STEP) yr[k] = xr[k] / den;
+}
+
+extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w,
+                                        float* __restrict__ y, int n, float eps, int rows, int per_warp) {
+    __shared__ float shm[MEMRA_BLOCK];
+    if (per_warp) rmsnorm_row<true>(x, w, y, n, eps, rows, shm);
+    else rmsnorm_row<false>(x, w, y, n, eps, rows, shm);
+}
+
+extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, const float* __restrict__ gate,
+                                              const float* __restrict__ w, float* __restrict__ y,
+                                              int n, float eps, int rows, int per_warp) {
+    __shared__ float shm[MEMRA_BLOCK];
+    if (per_warp) gated_rmsnorm_row<true>(o, gate, w, y, n, eps, rows, shm);
+    else gated_rmsnorm_row<false>(o, gate, w, y, n, eps, rows, shm);
+}
+
+extern "C" __global__ void l2norm_rows(const float* x, float* y, int n, float eps, int rows, int per_warp) {
+    __shared__ float shm[MEMRA_BLOCK];
+    if (per_warp) l2norm_row<true>(x, y, n, eps, rows, shm);
+    else l2norm_row<false>(x, y, n, eps, rows, shm);
 }
 
 // (x - mean) / sqrt(var + eps) * w + b, the variance taken about the mean (two passes).
@@ -140,17 +178,6 @@ extern "C" __global__ void layernorm_rows(const float* x, const float* w, const 
     }
     const float den = sqrtf(block_sum(ss, shm) / (float)n + eps);
     for (int k = threadIdx.x; k < n; k += MEMRA_BLOCK) yr[k] = (xr[k] - mu) / den * w[k] + b[k];
-}
-
-// x / sqrt(sum(x^2) + eps) (fla's convention: eps inside the sqrt).
-extern "C" __global__ void l2norm_rows(const float* x, float* y, int n, float eps, int rows, int per_warp) {
-    __shared__ float shm[MEMRA_BLOCK];
-    const RowSpan at = row_span(rows, per_warp);
-    if (at.row < 0) return;
-    const float* xr = x + at.row * n;
-    float* yr = y + at.row * n;
-    const float den = sqrtf(span_sum_squares(xr, n, per_warp, shm) + eps);
-    for (int k = at.first; k < n; k += at.step) yr[k] = xr[k] / den;
 }
 
 // exp(x - max) / sum(exp(x - max)); the exponentials are recomputed (same inputs, same bits).

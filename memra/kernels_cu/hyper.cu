@@ -11,51 +11,17 @@ static __device__ __forceinline__ float hc_warp_sum(float v) {
     return v;
 }
 
-// hc_weights runs in one warp: lane l owns entries e = l + 32q (q < HC_ENTRIES) of the n x n
-// mix, held in registers; the 2 x iters Sinkhorn normalisations read other entries by shuffle.
-#define HC_ENTRIES ((HC_MAX_N * HC_MAX_N + 31) / 32)
-
-static_assert(HC_MAX_N == 8, "hc_weights' switch names every n up to HC_MAX_N");
-
-// Entry idx of the mix, held by lane idx % 32 in register idx / 32 < Q (every lane shuffles).
-template <int Q>
-static __device__ __forceinline__ float hc_entry(const float (&c)[HC_ENTRIES], int idx) {
-    float v = __shfl_sync(0xffffffffu, c[0], idx & 31);
-#pragma unroll
-    for (int q = 1; q < Q; ++q) {
-        const float u = __shfl_sync(0xffffffffu, c[q], idx & 31);
-        if (idx >= 32 * q) v = u;
+// Thread (a, b) of the n x n mixing matrix c (shared): c[a, b] /= (sum of its column + eps),
+// or of its row; every thread of a column (row) adds it in ascending order, the same bits.
+static __device__ void hc_normalise(float* c, int n, int a, int b, bool columns, float eps) {
+    float s = 0.0f;
+    if (a < n) {
+        s = columns ? c[b] : c[a * n];
+        for (int i = 1; i < n; ++i) s += columns ? c[i * n + b] : c[a * n + i];
     }
-    return v;
-}
-
-// c[e] /= (the sum of e's column + eps), or of its row, for the lane's entries (a[q], b[q]) of
-// the N x N mix; every entry of a column (row) adds it in ascending order, the same bits.
-// N is a compile-time size, so a lane's N shuffles issue before the first add waits on them.
-template <int N, bool COLUMNS>
-static __device__ __forceinline__ void hc_normalise(float (&c)[HC_ENTRIES], const int (&a)[HC_ENTRIES],
-                                                    const int (&b)[HC_ENTRIES], float eps) {
-    constexpr int Q = (N * N + 31) / 32;  // the registers that hold entries at this size
-    float s[Q];
-#pragma unroll
-    for (int q = 0; q < Q; ++q) {
-        s[q] = hc_entry<Q>(c, COLUMNS ? b[q] : a[q] * N);
-#pragma unroll
-        for (int i = 1; i < N; ++i) s[q] += hc_entry<Q>(c, COLUMNS ? i * N + b[q] : a[q] * N + i);
-    }
-#pragma unroll
-    for (int q = 0; q < Q; ++q) c[q] = c[q] / (s[q] + eps);
-}
-
-// Sinkhorn: columns, then iters - 1 rounds of rows and columns (the reference's order).
-template <int N>
-static __device__ void hc_sinkhorn(float (&c)[HC_ENTRIES], const int (&a)[HC_ENTRIES], const int (&b)[HC_ENTRIES],
-                                   float eps, int iters) {
-    hc_normalise<N, true>(c, a, b, eps);
-    for (int it = 1; it < iters; ++it) {
-        hc_normalise<N, false>(c, a, b, eps);
-        hc_normalise<N, true>(c, a, b, eps);
-    }
+    __syncthreads();  // every sum is read before any entry changes
+    if (a < n) c[a * n + b] = c[a * n + b] / (s + eps);
+    __syncthreads();
 }
 
 // Site weights in two launches, so the (2+n)n x nD matvec spreads over many blocks instead of
@@ -104,60 +70,45 @@ extern "C" __global__ void hc_partials(const float* __restrict__ streams, const 
     }
 }
 
-// grid (t), block 32: lane l owns entries (a, b) = (e / n, e % n), e = l + 32q. base [(2+n)n];
-// scale [3]. Outputs pre [t, n], post [t, n], comb [t, n, n], in the reference's operation order.
+// grid (t), block HC_MAX_N^2: thread (a, b) = (tid / n, tid % n). base [(2+n)n]; scale [3].
+// Outputs pre [t, n], post [t, n], comb [t, n, n], in the reference's operation order.
 extern "C" __global__ void hc_weights(const float* __restrict__ part, const float* __restrict__ base,
                                       const float* __restrict__ scale, float* __restrict__ pre,
                                       float* __restrict__ post, float* __restrict__ comb, int n,
                                       int d, int chunks, float rms_eps, float hc_eps, int iters) {
     __shared__ float m[HC_MAX_OUTS + 1];
-    float c[HC_ENTRIES];  // the lane's entries of the mix
-    const int r = blockIdx.x, outs = (2 + n) * n, lane = threadIdx.x;
-    int a[HC_ENTRIES], b[HC_ENTRIES];  // a = n past the mix: no entry
-#pragma unroll
-    for (int q = 0; q < HC_ENTRIES; ++q) {
-        const int e = lane + 32 * q;
-        a[q] = e < n * n ? e / n : n;
-        b[q] = e % n;
-    }
+    __shared__ float c[HC_MAX_N * HC_MAX_N];
+    const int r = blockIdx.x, outs = (2 + n) * n, a = threadIdx.x / n, b = threadIdx.x % n;
     const float* p = part + (long long)r * chunks * (outs + 1);
-    for (int j = lane; j <= outs; j += 32) {
+    for (int j = threadIdx.x; j <= outs; j += blockDim.x) {
         float sum = p[j];
         for (int k = 1; k < chunks; ++k) sum += p[(long long)k * (outs + 1) + j];
         m[j] = sum;
     }
-    __syncwarp();
+    __syncthreads();
     const float inv = 1.0f / sqrtf(m[outs] / (float)(n * d) + rms_eps);
-    if (lane < n) {
-        pre[r * n + lane] = sigmoidf_stable(m[lane] * inv * scale[0] + base[lane]) + hc_eps;
-        post[r * n + lane] = 2.0f * sigmoidf_stable(m[n + lane] * inv * scale[1] + base[n + lane]);
+    if (threadIdx.x < n) {
+        const int i = threadIdx.x;
+        pre[r * n + i] = sigmoidf_stable(m[i] * inv * scale[0] + base[i]) + hc_eps;
+        post[r * n + i] = 2.0f * sigmoidf_stable(m[n + i] * inv * scale[1] + base[n + i]);
     }
-    // c = row softmax of the logits + eps: each entry of row a walks the row in order
-#pragma unroll
-    for (int q = 0; q < HC_ENTRIES; ++q) {
-        c[q] = 0.0f;
-        if (a[q] >= n) continue;
-        const float* mc = m + 2 * n + a[q] * n;
-        const float* bc = base + 2 * n + a[q] * n;
+    // c = row softmax of the logits + eps: each thread of row a walks the row in order
+    if (a < n) {
+        const float* mc = m + 2 * n + a * n;
+        const float* bc = base + 2 * n + a * n;
         float mx = __int_as_float(0xff800000);  // -inf (no host math.h under NVRTC)
         for (int i = 0; i < n; ++i) mx = fmaxf(mx, mc[i] * inv * scale[2] + bc[i]);
         float s = 0.0f;
         for (int i = 0; i < n; ++i) s += expf(mc[i] * inv * scale[2] + bc[i] - mx);
-        c[q] = expf(mc[b[q]] * inv * scale[2] + bc[b[q]] - mx) / s + hc_eps;
+        c[a * n + b] = expf(mc[b] * inv * scale[2] + bc[b] - mx) / s + hc_eps;
     }
-    switch (n) {  // the wrapper asserts 1 <= n <= HC_MAX_N
-        case 1: hc_sinkhorn<1>(c, a, b, hc_eps, iters); break;
-        case 2: hc_sinkhorn<2>(c, a, b, hc_eps, iters); break;
-        case 3: hc_sinkhorn<3>(c, a, b, hc_eps, iters); break;
-        case 4: hc_sinkhorn<4>(c, a, b, hc_eps, iters); break;
-        case 5: hc_sinkhorn<5>(c, a, b, hc_eps, iters); break;
-        case 6: hc_sinkhorn<6>(c, a, b, hc_eps, iters); break;
-        case 7: hc_sinkhorn<7>(c, a, b, hc_eps, iters); break;
-        default: hc_sinkhorn<HC_MAX_N>(c, a, b, hc_eps, iters); break;
+    __syncthreads();
+    hc_normalise(c, n, a, b, true, hc_eps);
+    for (int it = 1; it < iters; ++it) {
+        hc_normalise(c, n, a, b, false, hc_eps);
+        hc_normalise(c, n, a, b, true, hc_eps);
     }
-#pragma unroll
-    for (int q = 0; q < HC_ENTRIES; ++q)
-        if (a[q] < n) comb[(long long)r * n * n + a[q] * n + b[q]] = c[q];
+    if (a < n) comb[(long long)r * n * n + a * n + b] = c[a * n + b];
 }
 
 // The per-channel kernels below: grid (ceil(D / block), min(t, 65535)), thread k of a row,

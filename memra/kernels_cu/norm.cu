@@ -4,8 +4,8 @@
 // partials. The order depends only on the row length, never on how many rows the launch holds,
 // so row r of a t-row call is bit-identical to the row computed alone.
 // grid (rows), block MEMRA_BLOCK for every kernel here, except that the sum-of-squares norms
-// take per_warp = 1 for short rows: grid (ceil(rows / WARPS_PER_BLOCK)), a warp per row, the
-// same order played by one warp (warp_sum_squares), so the same bits from 8x fewer blocks.
+// take per_warp = 1 for a prompt's short rows: grid (ceil(rows / WARPS_PER_BLOCK)), a warp per
+// row, the same order played by one warp (warp_sum_squares), so the same bits from 8x fewer blocks.
 #include "common.cuh"
 
 static __device__ __forceinline__ const float* row_in(const float* a, int n) {

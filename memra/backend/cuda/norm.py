@@ -2,9 +2,9 @@
 
 RMSNorm (plain and gated), LayerNorm, L2 norm, softmax, log-softmax and argmax, one block per
 row, each row's reduction in a fixed order whatever the row count (exact class); the
-sum-of-squares norms give a row of at most NORM_WARP_ROW elements (a KDA head, a latent) one
-warp that plays the block's order, the same bits. A mixin of CudaBackend with the signatures of
-NumpyBackend's twins:
+sum-of-squares norms give a prompt's short rows (at most NORM_WARP_ROW elements: a KDA head, a
+latent) a warp each, which plays the block's order: the same bits. A mixin of CudaBackend with
+the signatures of NumpyBackend's twins:
 
     ops = NormOps()
     y = ops.rmsnorm(x, w, eps=1e-6)          # x [..., n] float32 cupy, w [n] or None
@@ -27,11 +27,17 @@ def _row_map(kernel: str, x):
     return out
 
 
+WARP_ROWS_MIN = 1024  # rows a launch needs before short rows go a warp each: a decode step's
+                     # few rows finish sooner a block each (more threads per row in flight)
+
+
 def launch_norm(kernel: str, rows: int, n: int, args: tuple, per_warp: bool | None = None) -> None:
-    """Launch an rmsnorm-like kernel over `rows` rows of n: a warp a row when n <= NORM_WARP_ROW
-    (per_warp None), else a block a row. The choice depends on n only, so it never moves a row's
-    bits with the row count; either path gives the same bits (per_warp forces one, for the test)."""
-    per_warp = n <= NORM_WARP_ROW if per_warp is None else per_warp
+    """Launch an rmsnorm-like kernel over `rows` rows of n: a warp a row for many short rows
+    (n <= NORM_WARP_ROW, rows >= WARP_ROWS_MIN: a prompt's), else a block a row. Both paths give
+    every row the same bits, so the choice never moves a row with the row count (per_warp
+    forces one, for the test that pins this)."""
+    if per_warp is None:
+        per_warp = n <= NORM_WARP_ROW and rows >= WARP_ROWS_MIN
     grid = blocks_of(rows, WARPS_PER_BLOCK) if per_warp else rows
     launch("norm", kernel, (grid,), (BLOCK,), (*args, i32(rows), i32(per_warp)))
 

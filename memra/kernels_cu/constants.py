@@ -56,6 +56,8 @@ MOE_MAX_EXPERTS = 3072   # moe_expert_list marks experts in shared memory (route
 MAX_TOPK = 32            # moe_route_select keeps the chosen experts in a local array
 MAX_GROUPS = 64          # ... and the kept groups in a 64-bit mask, two per lane
 GATE_UP_UNITS = 16       # intermediate units per bf16 gate|up tile (16 gate rows, 16 up rows)
+DOWN_OUTS = 64           # outputs per bf16 expert down tile of 8 rows: 64 rows of I in-features, the
+                         # weight bytes a gate|up tile reads (32 rows of D = 2 I)
 
 KERNEL_CONSTANTS: dict[str, int] = {
     "MEMRA_BLOCK": MEMRA_BLOCK,
@@ -82,6 +84,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "MAX_TOPK": MAX_TOPK,
     "MAX_GROUPS": MAX_GROUPS,
     "GATE_UP_UNITS": GATE_UP_UNITS,
+    "DOWN_OUTS": DOWN_OUTS,
 }
 
 DEFINES = tuple(f"-D{name}={value}" for name, value in KERNEL_CONSTANTS.items())

@@ -14,7 +14,7 @@
 static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
 static_assert(MAX_GROUPS == 64, "moe_route_select keeps the groups in a 64-bit mask, two per lane");
 static_assert(GATE_UP_UNITS == 16, "a gate|up tile is one 16-row MMA block of gate rows, one of up rows");
-static_assert(BF16_OUTS % 16 == 0, "a down tile is whole 16-row MMA blocks");
+static_assert(DOWN_OUTS % 16 == 0 && BF16_OUTS % 16 == 0, "a down tile is whole 16-row MMA blocks");
 
 // Lane 0 returns the dot of w[0..n) and x[0..n): lane l sums c = l, l+32, ... then a fixed tree.
 template <typename T>
@@ -252,8 +252,10 @@ extern "C" __global__ void moe_expert_list(const long long* idx, int n, int E, i
 
 // bf16 experts, tensor cores. gate_up: block (i-tile of GATE_UP_UNITS, listed expert e = list[y]):
 // weight rows 0..15 are gate rows i0.., 16..31 the up rows, so the SwiGLU pairs meet in one tile.
-// down: block (c-tile of BF16_OUTS, listed expert). grid (ceil(I / GATE_UP_UNITS), min(E, t k))
-// and (ceil(D / BF16_OUTS), ..), block MMA_THREADS; block rows past *listed exit at once.
+// down: block (c-tile of OUTS, listed expert). grid (ceil(I / GATE_UP_UNITS), min(E, t k)) and
+// (ceil(D / OUTS), ..), block MMA_THREADS; block rows past *listed exit at once. OUTS is
+// DOWN_OUTS for a bf16 tile of 8 rows, else BF16_OUTS: the FP8 tile, or 16 rows, at DOWN_OUTS
+// would need the registers of the whole SM for one block.
 template <int NT>
 static __device__ void gate_up_bf16(const float* x, const long long* idx, const int* list,
                                     const int* listed, const unsigned short* gate_w,
@@ -285,9 +287,9 @@ template <int NT>
 static __device__ void down_bf16(const float* h, const long long* idx, const int* list,
                                  const int* listed, const unsigned short* down_w, float* y, int t,
                                  int k, int I, int D) {
-    constexpr int J = BF16_OUTS / 16;
+    constexpr int OUTS = NT == 1 ? DOWN_OUTS : BF16_OUTS, J = OUTS / 16;
     if (blockIdx.y >= *listed) return;
-    const int e = list[blockIdx.y], c0 = blockIdx.x * BF16_OUTS;
+    const int e = list[blockIdx.y], c0 = blockIdx.x * OUTS;
     const bool w_aligned = (reinterpret_cast<unsigned long long>(down_w) % 16) == 0 && I % 8 == 0;
     const bool x_aligned = (reinterpret_cast<unsigned long long>(h) % 16) == 0 && I % 4 == 0;
     const unsigned short* wrow[J][2];
@@ -297,7 +299,7 @@ static __device__ void down_bf16(const float* h, const long long* idx, const int
         mma_tile<J, NT>(wrow, xrow, I, w_aligned, x_aligned, sh);
     };
     expert_passes<J, NT>(idx, t * k, e, h, 1, I, mma, [&](int nr, const int* pairs, const auto& tile) {
-        store_down(tile, nr, pairs, y, c0, D);
+        store_down<OUTS>(tile, nr, pairs, y, c0, D);
     });
 }
 
@@ -365,7 +367,7 @@ static __device__ void down_fp8(const float* h, const long long* idx, const int*
         mma_tile_fp8<J, NT>(wrow, srow, xrow, I, w_aligned, x_aligned, sh);
     };
     expert_passes<J, NT>(idx, t * k, e, h, 1, I, mma, [&](int nr, const int* pairs, const auto& tile) {
-        store_down(tile, nr, pairs, y, c0, D);
+        store_down<BF16_OUTS>(tile, nr, pairs, y, c0, D);
     });
 }
 

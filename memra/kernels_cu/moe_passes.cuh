@@ -79,11 +79,11 @@ static __device__ void store_swiglu(const Tile& tile, int nr, const int* pairs, 
     }
 }
 
-// A down tile's nr pairs: y[pair, c0 + m] = tile row m.
-template <typename Tile>
+// A down tile's nr pairs: y[pair, c0 + m] = tile row m < OUTS.
+template <int OUTS, typename Tile>
 static __device__ void store_down(const Tile& tile, int nr, const int* pairs, float* y, int c0, int D) {
-    for (int j = threadIdx.x; j < BF16_OUTS * nr; j += MMA_THREADS) {
-        const int m = j % BF16_OUTS, n = j / BF16_OUTS;
+    for (int j = threadIdx.x; j < OUTS * nr; j += MMA_THREADS) {
+        const int m = j % OUTS, n = j / OUTS;
         if (c0 + m < D) y[(long long)pairs[n] * D + c0 + m] = tile[m][n];
     }
 }

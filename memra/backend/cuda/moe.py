@@ -15,7 +15,7 @@ import cupy as cp
 from memra.backend.cuda.fp8 import DeviceFp8
 from memra.backend.cuda.prime import is_prime, prime_experts
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, weight_kind
-from memra.kernels_cu.constants import (BF16_OUTS, GATE_UP_UNITS, MAX_GROUPS, MAX_TOPK,
+from memra.kernels_cu.constants import (BF16_OUTS, DOWN_OUTS, GATE_UP_UNITS, MAX_GROUPS, MAX_TOPK,
                                         MOE_MAX_EXPERTS, WARPS_PER_BLOCK)
 
 ROUTE_ROWS = 4  # moe_route_select: rows per block, a warp each; 4 x MOE_MAX_EXPERTS scores = 48 KB
@@ -94,7 +94,8 @@ class MoeOps:
             launch("moe", "moe_expert_list", (1,), (BLOCK,), (idx, i32(t * k), i32(e), experts, count))
             launch("moe", f"moe_gate_up_bf16_{rows}", (blocks_of(inter, GATE_UP_UNITS), listed), (BLOCK,),
                    (x, idx, experts, count, gate_w, up_w, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
-            launch("moe", f"moe_down_bf16_{rows}", (blocks_of(d, BF16_OUTS), listed), (BLOCK,),
+            outs = DOWN_OUTS if rows == "n1" else BF16_OUTS  # moe.cu's down_bf16
+            launch("moe", f"moe_down_bf16_{rows}", (blocks_of(d, outs), listed), (BLOCK,),
                    (h, idx, experts, count, down_w, y, i32(t), i32(k), i32(inter), i32(d)))
         else:  # float32 weights (test fixtures): a block row per expert, idle where none is routed
             launch("moe", "moe_gate_up_f32", (blocks_of(inter, WARPS_PER_BLOCK), e), (BLOCK,),

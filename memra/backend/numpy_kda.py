@@ -16,10 +16,12 @@ F32 = np.float32
 
 
 class NumpyKdaOps:
-    def short_conv(self, x: np.ndarray, ring: np.ndarray, w: np.ndarray, rows=None) -> np.ndarray:
+    def short_conv(self, x: np.ndarray, ring: np.ndarray, w: np.ndarray, rows=None, groups: int = 1) -> np.ndarray:
         """Causal depthwise conv + SiLU over t rows; ring [K-1, C] holds the previous inputs
         (oldest first) and is advanced in place. w [C, K]; tap K-1 meets the current row.
-        rows [>= t-1, K-1, C] (optional): rows[r] = the ring after row r, for r < t - 1."""
+        rows [>= t-1, K-1, C] (optional): rows[r] = the ring after row r, for r < t - 1.
+        Returns [t, C], or with groups g > 1 [g, t, C / g]: each group of channels' rows on
+        their own (KDA's q, k and v, each then contiguous)."""
         k = w.shape[1]
         out = np.empty_like(x)
         for r in range(x.shape[0]):
@@ -33,7 +35,9 @@ class NumpyKdaOps:
                 ring[-1] = x[r]
             if rows is not None and r < x.shape[0] - 1:
                 rows[r] = ring
-        return out
+        if groups == 1:
+            return out
+        return np.ascontiguousarray(out.reshape(x.shape[0], groups, -1).transpose(1, 0, 2))
 
     def kda_gate(self, f: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray, lower_bound) -> np.ndarray:
         """Per-channel log-decay g: f [t, Hk, dk], a_log [Hk], dt_bias [Hk, dk]."""

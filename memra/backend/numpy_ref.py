@@ -162,12 +162,13 @@ class NumpyBackend(NumpyKdaOps):
             out[r] = d / np.sqrt(var + F32(eps)) * w + b
         return out
 
-    def l2norm(self, x: np.ndarray, eps: float) -> np.ndarray:
-        """x / sqrt(sum(x^2) + eps) over the last axis (fla's convention: eps inside the sqrt)."""
+    def l2norm(self, x: np.ndarray, eps: float, scale: float = 1.0) -> np.ndarray:
+        """x / sqrt(sum(x^2) + eps) over the last axis (fla's convention: eps inside the sqrt),
+        times float32(scale): scale(l2norm(x)) in one op (KDA's q), the same bits."""
         flat = x.reshape(-1, x.shape[-1])
         out = np.empty_like(flat)
         for r in range(flat.shape[0]):
-            out[r] = flat[r] / np.sqrt(np.sum(flat[r] * flat[r], dtype=F32) + F32(eps))
+            out[r] = (flat[r] / np.sqrt(np.sum(flat[r] * flat[r], dtype=F32) + F32(eps))) * F32(scale)
         return out.reshape(x.shape)
 
     def gated_rmsnorm(self, o: np.ndarray, gate: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

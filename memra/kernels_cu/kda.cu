@@ -29,20 +29,22 @@ static __device__ __forceinline__ float conv_row(const float* wc, float* hist, f
 }
 
 // x [t, C]; ring [K-1, C] (oldest first, advanced in place); w [C, K], tap K-1 meets the
-// current row; out [t, C] = SiLU(conv). One thread per channel walks the rows in order.
+// current row; out = SiLU(conv), as [C / cg, t, cg]: channel ch's rows at group ch / cg (cg = C
+// for [t, C]). One thread per channel walks the rows in order.
 // rows (may be null): the ring after row r < t - 1 is written at rows + r * row_stride, so a
 // rollback to the first r + 1 rows is a copy (the ring after the last row is `ring` itself).
 extern "C" __global__ void short_conv(const float* __restrict__ x, float* __restrict__ ring,
                                       const float* __restrict__ w, float* __restrict__ out,
-                                      int t, int c, int k, float* __restrict__ rows,
+                                      int t, int c, int k, int cg, float* __restrict__ rows,
                                       long long row_stride) {
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= c) return;
+    float* o = out + (long long)(ch / cg) * t * cg + ch % cg;  // row r at o[r * cg]
     float hist[KDA_MAX_CONV];
     for (int j = 0; j < k - 1; ++j) hist[j] = ring[(long long)j * c + ch];
     const float* wc = w + (long long)ch * k;
     for (int r = 0; r < t; ++r) {
-        out[(long long)r * c + ch] = conv_row(wc, hist, x[(long long)r * c + ch], k);
+        o[(long long)r * cg] = conv_row(wc, hist, x[(long long)r * c + ch], k);
         if (rows != nullptr && r < t - 1)
             for (int j = 0; j < k - 1; ++j) rows[r * row_stride + (long long)j * c + ch] = hist[j];
     }
@@ -205,10 +207,11 @@ KDA_RECURRENCE(kda_recurrence, KDA_MAX_DK / 32)  // up to KDA_MAX_DK
 // The ring is only read: the wrapper copies the last K-1 rows of x into it afterwards.
 extern "C" __global__ void short_conv_spans(const float* __restrict__ x, const float* __restrict__ ring,
                                             const float* __restrict__ w, float* __restrict__ out,
-                                            int t, int c, int k) {
+                                            int t, int c, int k, int cg) {
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     const int r0 = blockIdx.y * KDA_CONV_SPAN, r1 = min(r0 + KDA_CONV_SPAN, t);
     if (ch >= c) return;
+    float* o = out + (long long)(ch / cg) * t * cg + ch % cg;
     float hist[KDA_MAX_CONV];
     for (int j = 0; j < k - 1; ++j) {  // the K-1 inputs before row r0: rows of x, or the ring's
         const int src = r0 - (k - 1) + j;
@@ -216,6 +219,6 @@ extern "C" __global__ void short_conv_spans(const float* __restrict__ x, const f
     }
     const float* wc = w + (long long)ch * k;
     for (int r = r0; r < r1; ++r) {
-        out[(long long)r * c + ch] = conv_row(wc, hist, x[(long long)r * c + ch], k);
+        o[(long long)r * cg] = conv_row(wc, hist, x[(long long)r * c + ch], k);
     }
 }

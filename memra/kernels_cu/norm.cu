@@ -129,16 +129,16 @@ static __device__ void gated_rmsnorm_row(const float* __restrict__ o, const floa
         yr[k] = ((orow[k] * inv) * w[k]) * sigmoidf_exact(grow[k]);
 }
 
-// x / sqrt(sum(x^2) + eps) (fla's convention: eps inside the sqrt).
+// x / sqrt(sum(x^2) + eps) (fla's convention: eps inside the sqrt), times scale (KDA's q).
 template <bool WARP>
-static __device__ void l2norm_row(const float* __restrict__ x, float* __restrict__ y, int n, float eps, int rows,
-                                  float* shm) {
+static __device__ void l2norm_row(const float* __restrict__ x, float* __restrict__ y, int n, float eps, float scale,
+                                  int rows, float* shm) {
     const NormRow<WARP> at(rows);
     if (at.row < 0) return;
     const float* xr = x + at.row * n;
     float* yr = y + at.row * n;
     const float den = sqrtf(sum_squares<WARP>(xr, n, shm) + eps);
-    for (int k = at.first; k < n; k += NormRow<WARP>::STEP) yr[k] = xr[k] / den;
+    for (int k = at.first; k < n; k += NormRow<WARP>::STEP) yr[k] = (xr[k] / den) * scale;
 }
 
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w,
@@ -156,10 +156,11 @@ extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, const
     else gated_rmsnorm_row<false>(o, gate, w, y, n, eps, rows, shm);
 }
 
-extern "C" __global__ void l2norm_rows(const float* x, float* y, int n, float eps, int rows, int per_warp) {
+extern "C" __global__ void l2norm_rows(const float* x, float* y, int n, float eps, float scale, int rows,
+                                       int per_warp) {
     __shared__ float shm[MEMRA_BLOCK];
-    if (per_warp) l2norm_row<true>(x, y, n, eps, rows, shm);
-    else l2norm_row<false>(x, y, n, eps, rows, shm);
+    if (per_warp) l2norm_row<true>(x, y, n, eps, scale, rows, shm);
+    else l2norm_row<false>(x, y, n, eps, scale, rows, shm);
 }
 
 // (x - mean) / sqrt(var + eps) * w + b, the variance taken about the mean (two passes).

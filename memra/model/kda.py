@@ -64,11 +64,10 @@ class KdaMixer:
         if stash is not None:
             stash.update(ring=st.ring.copy(), state=st.state.copy())
             ring_rows, state_rows = st.snapshots()
-        mixed = be.short_conv(raw, st.ring, self.conv, ring_rows)
-        heads = lambda cols: be.contiguous(mixed[:, cols]).reshape(t, hk, dk)
-        q = be.scale(be.l2norm(heads(slice(0, c)), 1e-6), dk ** -0.5)
-        k = be.l2norm(heads(slice(c, 2 * c)), 1e-6)
-        v = heads(slice(2 * c, 3 * c))
+        mixed = be.short_conv(raw, st.ring, self.conv, ring_rows, groups=3)  # [3, t, c]: q, k, v
+        q = be.l2norm(mixed[0].reshape(t, hk, dk), 1e-6, scale=dk ** -0.5)
+        k = be.l2norm(mixed[1].reshape(t, hk, dk), 1e-6)
+        v = mixed[2].reshape(t, hk, dk)
         f = be.linear(f_low, self.f_b).reshape(t, hk, dk)
         g = be.kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound)
         beta = be.sigmoid(beta_in)

@@ -172,6 +172,20 @@ def test_a_prompts_short_conv_spans_do_the_row_walks_arithmetic():
     got = KdaOps().short_conv(x, ring, w)
     walk_ring, want = cp.asarray(shared["ring"]), cp.empty_like(x)
     launch("kda", "short_conv", ((101 + BLOCK - 1) // BLOCK,), (BLOCK,),
-           (x, walk_ring, w, want, i32(150), i32(101), i32(4), np.uint64(0), np.int64(0)))
+           (x, walk_ring, w, want, i32(150), i32(101), i32(4), i32(101), np.uint64(0), np.int64(0)))
     assert cp.asnumpy(got).tobytes() == cp.asnumpy(want).tobytes()
     assert cp.asnumpy(ring).tobytes() == cp.asnumpy(walk_ring).tobytes()
+
+
+@pytest.mark.parametrize("t", [1, 7, 40])
+def test_short_conv_in_groups_lays_each_groups_rows_side_by_side(t):
+    """groups=3 (KDA's q, k, v) returns [3, t, C / 3]: the bytes of the [t, C] result's column
+    groups, row walk (t <= VERIFY_CAP) and prompt spans alike, and the ring moves the same."""
+    rows, shared = _short_conv(3 * 64, 4)[0](np.random.default_rng(t), t)
+    x, w = cp.asarray(rows["x"]), cp.asarray(shared["w"])
+    ring, ring3 = cp.asarray(shared["ring"]), cp.asarray(shared["ring"])
+    flat = cp.asnumpy(KdaOps().short_conv(x, ring, w))
+    grouped = cp.asnumpy(KdaOps().short_conv(x, ring3, w, groups=3))
+    assert grouped.shape == (3, t, 64)
+    assert grouped.tobytes() == np.ascontiguousarray(flat.reshape(t, 3, 64).transpose(1, 0, 2)).tobytes()
+    assert cp.asnumpy(ring).tobytes() == cp.asnumpy(ring3).tobytes()

@@ -17,6 +17,7 @@ from tests.gpu import cupy_or_skip
 pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
+from memra.backend.cuda.backend import CudaBackend  # noqa: E402
 from memra.backend.cuda.norm import ARGMAX_SPAN, NormOps, launch_norm  # noqa: E402
 from memra.kernels_cu.constants import NORM_WARP_ROW  # noqa: E402
 from tests.backend.harness import OpGates, RedArm, split_dot, table  # noqa: E402
@@ -76,6 +77,7 @@ CASES = [
     case("l2norm", make_rows(x=(2, 32, 1.0)), lambda be, r, s: be.l2norm(r["x"], 1e-6)),
     case("l2norm_odd", make_rows(x=(1, 129, 1.0)), lambda be, r, s: be.l2norm(r["x"], 1e-6)),
     case("l2norm_wide", make_rows(x=(1, 4500, 1.0)), lambda be, r, s: be.l2norm(r["x"], 1e-6)),
+    case("l2norm_scaled", make_rows(x=(4, 128, 1.0)), lambda be, r, s: be.l2norm(r["x"], 1e-6, scale=128 ** -0.5)),
     case("gated_rmsnorm", _make_gated((2, 64)), _gated),
     case("gated_rmsnorm_odd", _make_gated((3, 65)), _gated),
     case("softmax", make_rows(x=(256, 3.0)), lambda be, r, s: be.softmax(r["x"])),
@@ -152,7 +154,7 @@ def test_a_warp_a_row_gives_the_blocks_bits(n):
     for kernel, make_args in (
             ("rmsnorm_rows", lambda out: (x, w, out, np.int32(n), eps)),
             ("rmsnorm_rows", lambda out: (x, None, out, np.int32(n), eps)),
-            ("l2norm_rows", lambda out: (x, out, np.int32(n), eps)),
+            ("l2norm_rows", lambda out: (x, out, np.int32(n), eps, F32(0.125))),
             ("gated_rmsnorm_rows", lambda out: (x, gate, w, out, np.int32(n), eps))):
         block, warp = _both_paths(kernel, n, make_args)
         assert block.tobytes() == warp.tobytes(), f"{kernel} n={n}"
@@ -164,7 +166,15 @@ def test_the_warp_paths_inputs_feel_the_summation_order():
     warp plays the block's order, not that any order would do."""
     n = 1000
     x = cp.asarray(normal(np.random.default_rng(n), (13, n)))
-    block, _ = _both_paths("l2norm_rows", n, lambda out: (x, out, np.int32(n), F32(1e-6)))
+    block, _ = _both_paths("l2norm_rows", n, lambda out: (x, out, np.int32(n), F32(1e-6), F32(1)))
     host = cp.asnumpy(x)
     other = host / np.sqrt(np.sum(host * host, axis=-1, keepdims=True, dtype=F32) + F32(1e-6))
     assert block.tobytes() != other.astype(F32).tobytes()
+
+
+@pytest.mark.parametrize("n", [128, 4500])
+def test_a_scaled_l2norm_is_the_scale_of_the_l2norm(n):
+    """l2norm(x, eps, scale) (KDA's q in one launch) has the bits of scale(l2norm(x, eps))."""
+    x = cp.asarray(normal(np.random.default_rng(n), (64, n)))
+    be = CudaBackend()
+    assert be.l2norm(x, 1e-6, scale=n ** -0.5).tobytes() == be.scale(be.l2norm(x, 1e-6), n ** -0.5).tobytes()

@@ -164,6 +164,8 @@ ROW_CASES = [
     _case("layernorm", make_norm((16,), bias=True), lambda be, r, s, _: be.layernorm(r["x"], s["w"], s["b"], 1e-6)),
     _case("l2norm", _make_rows_only(x=(2, 32, 1.0)), lambda be, r, s, _: be.l2norm(r["x"], 1e-6)),
     _case("l2norm_odd", _make_rows_only(x=(1, 129, 1.0)), lambda be, r, s, _: be.l2norm(r["x"], 1e-6)),
+    _case("l2norm_scaled", _make_rows_only(x=(4, 128, 1.0)),
+          lambda be, r, s, _: be.l2norm(r["x"], 1e-6, scale=128 ** -0.5)),
     _case("gated_rmsnorm", _make_gated_rmsnorm, lambda be, r, s, _: be.gated_rmsnorm(r["o"], r["gate"], s["w"], 1e-5)),
     _case("silu", _make_rows_only(x=(129, 3.0)), lambda be, r, s, _: be.silu(r["x"])),
     _case("sigmoid", _make_rows_only(x=(129, 3.0)), lambda be, r, s, _: be.sigmoid(r["x"])),
@@ -312,3 +314,20 @@ def test_log_softmax_is_the_log_of_softmax():
     ls = be.log_softmax(x)
     assert np.allclose(np.exp(ls).sum(-1), 1.0, rtol=1e-5)
     assert np.allclose(ls, np.log(be.softmax(x)), rtol=1e-5, atol=1e-5)
+
+
+def test_short_conv_in_groups_lays_each_groups_rows_side_by_side():
+    """groups=3 (KDA's q, k, v): [3, t, C / 3], each group's rows of the [t, C] result."""
+    rng = np.random.default_rng(4)
+    x, w, ring = normal(rng, (5, 12)), normal(rng, (12, 4), 0.5), normal(rng, (3, 12))
+    flat = NumpyBackend().short_conv(x, ring.copy(), w)
+    grouped = NumpyBackend().short_conv(x, ring.copy(), w, groups=3)
+    assert grouped.shape == (3, 5, 4) and grouped.flags.c_contiguous
+    assert np.array_equal(grouped, flat.reshape(5, 3, 4).transpose(1, 0, 2))
+
+
+def test_a_scaled_l2norm_is_the_scale_of_the_l2norm():
+    """l2norm(x, eps, scale) (KDA's q) has the bits of scale(l2norm(x, eps)); scale 1 is l2norm."""
+    x, be = normal(np.random.default_rng(5), (6, 128)), NumpyBackend()
+    assert np.array_equal(be.l2norm(x, 1e-6, scale=128 ** -0.5), be.scale(be.l2norm(x, 1e-6), 128 ** -0.5))
+    assert np.array_equal(be.l2norm(x, 1e-6, scale=1.0), be.l2norm(x, 1e-6))

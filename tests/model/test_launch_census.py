@@ -19,8 +19,8 @@ CUPTI's memra kernels must equal, name for name and count for count, what memra'
 `runtime.launch` asked for, so a profiler that missed launches fails the test instead of
 passing it.
 
-Red arms: put back the CuPy expressions the model used (`x * np.float32(f)` for be.scale, the KDA
-q scale and the indexer weight scale; `a + b` for be.add, the MoE routed + shared sum where the
+Red arms: put back the CuPy expressions the model used (`x * np.float32(f)` for be.scale, the
+indexer weight scale; `a + b` for be.add, the MoE routed + shared sum where the
 shared expert runs as a separate MLP: on a model loaded that way, as memra stacks a shared expert
 with the routed ones whenever their shapes match). The census then fails with exactly one
 foreign kernel per call site and walk, while the real ops pass on the same model and inputs.
@@ -118,12 +118,11 @@ def separate_shared(fixture_dir):
 
 
 def _sites(model) -> dict[str, int]:
-    """Call sites per walk: be.scale (each KDA q, each own indexer's weights), be.add (each MoE whose
-    shared expert is a separate MLP)."""
+    """Call sites per walk: be.scale (each own indexer's weights; a KDA q's scale rides in its
+    l2norm), be.add (each MoE whose shared expert is a separate MLP)."""
     layers = model.layers
-    kda = sum(layer.kind == KDA for layer in layers)
     indexers = sum(layer.kind != KDA and layer.mixer.indexer is not None for layer in layers)
-    return {"scale": kda + indexers,
+    return {"scale": indexers,
             "add": sum(isinstance(layer.ffn, Moe) and layer.ffn.shared is not None for layer in layers)}
 
 

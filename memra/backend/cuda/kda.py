@@ -32,23 +32,26 @@ def _rows(rows, t: int, shape: tuple, what: str):
 
 
 class KdaOps:
-    def short_conv(self, x, ring, w, rows=None):
+    def short_conv(self, x, ring, w, rows=None, groups: int = 1):
         """Causal depthwise conv + SiLU over t rows; ring [K-1, C] (oldest first) advances in
-        place, so it must already be a C-contiguous float32 device array. rows: see _rows."""
+        place, so it must already be a C-contiguous float32 device array. rows: see _rows.
+        Returns [t, C], or [groups, t, C / groups] (NumpyBackend.short_conv)."""
         x, w = device_input(x, "x"), device_input(w, "w")
         check(ring, cp.float32, "ring")
         t, c = x.shape
         k = w.shape[1]
         assert w.shape == (c, k) and 1 <= k <= KDA_MAX_CONV, f"short_conv: w {w.shape}, C={c}, K<={KDA_MAX_CONV}"
         assert ring.shape == (k - 1, c), f"short_conv: ring {ring.shape}, expected {(k - 1, c)}"
-        out = cp.empty((t, c), cp.float32)
+        assert groups >= 1 and c % groups == 0, f"short_conv: {c} channels in {groups} groups"
+        out = cp.empty((t, c) if groups == 1 else (groups, t, c // groups), cp.float32)
         snap, stride = _rows(rows, t, (k - 1, c), "short_conv")
         if is_prime(t) and rows is None:  # a prompt: spans of rows in parallel, the same bits
             launch("kda", "short_conv_spans", (blocks_of(c), blocks_of(t, KDA_CONV_SPAN)), (BLOCK,),
-                   (x, ring, w, out, i32(t), i32(c), i32(k)))
+                   (x, ring, w, out, i32(t), i32(c), i32(k), i32(c // groups)))
             ring[...] = x[t - (k - 1):]  # t > VERIFY_CAP >= K - 1 rows
         elif t:
-            launch("kda", "short_conv", grid_1d(c), (BLOCK,), (x, ring, w, out, i32(t), i32(c), i32(k), snap, stride))
+            launch("kda", "short_conv", grid_1d(c), (BLOCK,),
+                   (x, ring, w, out, i32(t), i32(c), i32(k), i32(c // groups), snap, stride))
         return out
 
     def kda_gate(self, f, a_log, dt_bias, lower_bound):

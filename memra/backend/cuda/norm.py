@@ -65,12 +65,13 @@ class NormOps:
             launch("norm", "layernorm_rows", (rows,), (BLOCK,), (x, w, b, out, i32(n), f32(eps)))
         return out
 
-    def l2norm(self, x, eps: float):
-        """x / sqrt(sum(x^2) + eps) over the last axis (fla's convention: eps inside the sqrt)."""
+    def l2norm(self, x, eps: float, scale: float = 1.0):
+        """x / sqrt(sum(x^2) + eps) over the last axis (fla's convention: eps inside the sqrt),
+        times float32(scale) (NumpyBackend.l2norm)."""
         rows, n = rows_of(x, "x")
         out = cp.empty_like(x)
         if rows:
-            launch_norm("l2norm_rows", rows, n, (x, out, i32(n), f32(eps)))
+            launch_norm("l2norm_rows", rows, n, (x, out, i32(n), f32(eps), f32(scale)))
         return out
 
     def gated_rmsnorm(self, o, gate, w, eps: float):

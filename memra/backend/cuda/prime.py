@@ -17,7 +17,8 @@ weight once per 16 rows and run at under 2% of the tensor cores' rate on a long 
   at least 2^-16 (a routed expert's piece rows too: each weight piece meets the row sets of
   the activation pieces it is kept with);
 * a float32 weight (test fixtures) or the remaining float32 x float32 products (router logits,
-  pool scores, mHC partials) run as float32 GEMMs (cupy.matmul: no TF32 unless CUPY_TF32 is set).
+  pool scores, mHC partials) run as float32 GEMMs (cupy.matmul: no TF32 unless CUPY_TF32 is set;
+  the mHC partials call cuBLAS at COMPUTE_32F directly, never TF32).
 
     y = prime_linear(x, w_bf16)         # x [t, in] float32, t > VERIFY_CAP
 """

@@ -15,6 +15,10 @@ SPEC_CONTEXT_SLACK = 8     # positions a speculative request keeps beyond prompt
 MIN_SESSION_ROOM = 4       # a session needs the prompt plus this much to run one round
 PRIME_CHUNK = 8192         # prompt rows per prefill walk: a longer prompt walks in chunks, which
                            # bounds its transient buffers (activations, pieces, scores) by this
+MOE_ROWS = 4096            # prompt rows per routed-experts pass (CUDA prime class)
+ATTEND_BYTES = 1 << 30     # scores (float32) and probability pieces one prompt attention chunk may hold
+ATTEND_ROWS = 256          # rows per prompt attention chunk at most: a chunk scores up to its last
+                           # row's context, so short chunks waste little of the causal triangle
 
 
 def spec_context(prompt_len: int, max_new_tokens: int, k: int) -> int:

@@ -19,6 +19,8 @@ The estimate is simple on purpose, and this is all of it:
   for its rollback; made at the first verify walk), and one verify walk's attention buffers
   (VERIFY_CAP rows x heads x index_width, scores and positions). Checked against the backend's
   free memory (`be.free_bytes()` where the backend offers it, else the host's available memory).
+* on a GPU, a prompt walk's transient buffers (prime_buffer_bytes): the device plan counts them,
+  the cache check above does not (they come and go with each prompt).
 
     per_pos, fixed = cache_bytes(cfg)
     check_cache_fits(cfg, be, max_ctx)               # InputError with the max_ctx that fits
@@ -35,7 +37,7 @@ import re
 
 from memra.checkpoint_fp8 import SCALE_SUFFIX
 from memra.errors import CheckpointError, InputError
-from memra.limits import VERIFY_CAP
+from memra.limits import ATTEND_BYTES, ATTEND_ROWS, MOE_ROWS, PRIME_CHUNK, VERIFY_CAP
 from memra.schedules import DSA, KDA
 
 F32 = 4
@@ -222,6 +224,39 @@ def walk_buffer_bytes(cfg) -> int:
     """One verify walk's attention buffers (scores and positions of VERIFY_CAP rows), plus a pool
     key row of slack."""
     return (2 * VERIFY_CAP * cfg.num_attention_heads * cfg.index_width + cfg.index_head_dim) * F32
+
+
+PRIME_MARGIN = 1.25  # for what prime_buffer_bytes leaves out: index arrays, GEMM workspace, rounding
+
+
+def prime_buffer_bytes(cfg, layers, max_ctx: int) -> int:
+    """The largest transient working set of a prompt walk (the CUDA prime class,
+    memra/backend/cuda/prime.py) over trunk `layers`: at most PRIME_CHUNK rows (and no more than
+    max_ctx), scoring up to max_ctx positions. Per row, the mHC streams in and out and six
+    float32 [D] rows; then the largest phase among the layers':
+    * routed experts (sparse MLP), MOE_ROWS rows at a time, k + n_shared slots a row, each slot's
+      activation pieces, gate and up GEMM rows, hidden pieces and down GEMM rows (18 D + 30 I bytes);
+    * DSA attention: the absorbed queries and outputs (2 x heads x rank floats a row), the key and
+      value piece copies over the whole span (six bf16 copies each: 24 x rank bytes a position)
+      and one chunk's scores and probability pieces (4 + 6 bytes a score, at most ATTEND_BYTES);
+    * KDA: eleven float32 [C] rows a row (projections, the q, k, v planes, normalised q and k,
+      gate, output and its gate).
+    Times PRIME_MARGIN. On the H200 the sum before the margin is 0.5-1% above the peak a
+    `bench` prime allocates (702, 2809, 5618, 6484 MiB at 512, 2048, 4096, 8192 tokens)."""
+    rows = min(PRIME_CHUNK, max(max_ctx, 1))
+    d, i, ranks = cfg.hidden_size, cfg.moe_intermediate_size, cfg.kv_lora_rank
+    phases = [0]
+    if any(cfg.mlp_layer_types[j] == "sparse" for j in layers):
+        slots = min(rows, MOE_ROWS) * (cfg.num_experts_per_tok + cfg.n_shared_experts)
+        phases.append(slots * (18 * d + 30 * i))
+    if any(cfg.layer_types[j] == DSA for j in layers):
+        heads = cfg.num_attention_heads
+        scores = min(ATTEND_BYTES, min(rows, ATTEND_ROWS) * heads * max_ctx * (F32 + 6))
+        phases.append(2 * rows * heads * ranks * F32 + 24 * ranks * max_ctx + scores)
+    if any(cfg.layer_types[j] == KDA for j in layers):
+        phases.append(11 * rows * cfg.linear_dim * F32)
+    streams = rows * (2 * cfg.hc_mult + 6) * d * F32
+    return math.ceil(PRIME_MARGIN * (streams + max(phases)))
 
 
 def cache_bytes(cfg) -> tuple[int, int]:

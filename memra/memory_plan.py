@@ -4,8 +4,9 @@ headers before anything is allocated (DESIGN.md section 4), and a refusal that n
 Per device: the weights of its layers by how they are held (memra.memory.held_bytes: bf16 and fp8
 matrices as stored, with fp8's float32 block scales; everything else float32), the state planes of
 its layers at the requested max_ctx (memra.memory.cache_parts), and buffers: one verify walk's
-attention buffers, and on a backend that captures walks as CUDA graphs, what the graphs keep (see
-graph_buffer_bytes). With devices=N the trunk layers are cut into N contiguous ranges balanced by
+attention buffers, and on the CUDA backend (graphs=True, the backend that captures walks as CUDA
+graphs) what the graphs keep (graph_buffer_bytes) and a prompt walk's largest transient working
+set over the device's layers (memra.memory.prime_buffer_bytes). With devices=N the trunk layers are cut into N contiguous ranges balanced by
 weight bytes, the embedding on the first device, the final norm, lm_head and the MTP block (with
 a copy of the embedding) on the last, so a plan answers "needs N GPUs".
 
@@ -23,7 +24,8 @@ import math
 from memra.errors import InputError
 from memra.limits import VERIFY_CAP
 from memra.memory import (
-    F32, SCALE_SUFFIX, WeightBytes, cache_parts, config_weight_bytes, group_weight_bytes, walk_buffer_bytes,
+    F32, SCALE_SUFFIX, WeightBytes, cache_parts, config_weight_bytes, group_weight_bytes, prime_buffer_bytes,
+    walk_buffer_bytes,
 )
 
 
@@ -58,14 +60,6 @@ class DevicePlan:
     @property
     def fits(self) -> bool:
         return self.free is None or self.total <= self.free
-
-    def max_ctx_that_fits(self, max_ctx: int) -> int | None:
-        """The largest max_ctx whose cache fits beside the weights here; None: no bound here (free
-        unknown, or no per-position plane and the rest fits); -1: not even the rest fits."""
-        if self.free is None:
-            return None
-        room = self.free - (self.total - self.cache_per_pos * max_ctx)
-        return max(room // self.cache_per_pos, -1) if self.cache_per_pos else (None if room >= 0 else -1)
 
     def to_dict(self) -> dict:
         return {"device": self.index, "layers": [self.first, self.stop], "weights": dict(self.weights),
@@ -132,14 +126,28 @@ class MemoryPlan:
             out.append(f"FP8 weights ({size(fp8.weights.total)}) " + (
                 f"fit on {_devices(len(self.devices))}" if fp8.fits else
                 f"on {_devices(need)} (--gpus {need})" if need else "do not fit either"))
-        limits = [d.max_ctx_that_fits(self.max_ctx) for d in self.devices]
-        ctx = min([x for x in limits if x is not None] + [self.cfg.max_position_embeddings])
+        ctx = self.max_ctx_that_fits()
         out.append(f"max_ctx {ctx} or less (--max-ctx {ctx})" if ctx >= 1 else
                    f"no max_ctx on {_devices(len(self.devices))} (the weights and buffers alone are too large)")
         need = self.devices_needed()
         out.append(f"{self.dtype} weights on {_devices(need)}: needs {need} GPUs (--gpus {need})" if need else
                    f"no split over up to {self.cfg.num_hidden_layers} GPUs")
         return out
+
+    def max_ctx_that_fits(self) -> int:
+        """The largest max_ctx (up to the model's) at which every device of this split fits; -1: not
+        even max_ctx 0. A bisection: the total grows with max_ctx, but not linearly (a prompt's
+        buffers stop growing at PRIME_CHUNK rows)."""
+        ranges = [(d.first, d.stop) for d in self.devices]
+        fits = lambda ctx: _plan(self.cfg, self.weights, self.source, ctx, len(ranges), [d.free for d in self.devices],
+                                 self.graphs, ranges).fits
+        low, high = -1, self.cfg.max_position_embeddings
+        if fits(high):
+            return high
+        while high - low > 1:  # fits(low) (or low == -1), not fits(high)
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
 
     def devices_needed(self) -> int | None:
         """The fewest devices (each with device 0's free bytes) that hold this plan; None: none do."""
@@ -219,7 +227,9 @@ def _plan(cfg, weights: WeightBytes, source: str, max_ctx: int, n: int, free: li
         groups = tuple(range(first, stop)) + _edge_groups(weights, first, stop)
         per_pos, kda = cache_parts(cfg, range(first, stop), cfg.has_mtp and stop == count)
         per_pos_bytes = math.ceil(per_pos * F32)
-        buffers = walk_buffer_bytes(cfg) + (graph_buffer_bytes(cfg) if graphs else 0)
+        buffers = walk_buffer_bytes(cfg)
+        if graphs:  # the CUDA backend: captured walks, and a prompt's transient buffers
+            buffers += graph_buffer_bytes(cfg) + prime_buffer_bytes(cfg, range(first, stop), max_ctx)
         devices.append(DevicePlan(index, first, stop, groups, weights.by_dtype(groups),
                                   per_pos_bytes * max_ctx + kda * F32, per_pos_bytes, buffers, free[index]))
     held = weights.by_dtype()

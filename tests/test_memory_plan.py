@@ -253,6 +253,30 @@ def test_weights_that_fit_only_as_fp8_are_refused_naming_fp8():
     assert plan_for_config(cfg, "fp8", max_ctx=1024, free=fp8_total).fits
 
 
+def test_a_cuda_plan_counts_a_prompts_transient_buffers():
+    """graphs=True (the CUDA backend) adds a prompt walk's working set to each device's buffers:
+    the rows stop growing at PRIME_CHUNK, the attention's key and value copies grow with the span,
+    and a device of KDA layers with dense MLPs counts neither experts nor attention."""
+    from memra.limits import PRIME_CHUNK
+    from memra.memory_plan import graph_buffer_bytes
+    from memra.schedules import KDA
+
+    cfg = cfg_of("bench")
+    cuda, host = (plan_for_config(cfg, "bf16", max_ctx=4096, graphs=g).devices[0] for g in (True, False))
+    prime = memory.prime_buffer_bytes(cfg, range(cfg.num_hidden_layers), 4096)
+    assert cuda.buffers - host.buffers == graph_buffer_bytes(cfg) + prime
+    full = cfg_of("full")
+    at = lambda ctx: memory.prime_buffer_bytes(full, range(full.num_hidden_layers), ctx)
+    span = 1 << 19  # past PRIME_CHUNK both ways: only the attention's span term moves
+    assert abs(at(2 * span) - at(span) - memory.PRIME_MARGIN * 24 * full.kv_lora_rank * span) <= 1
+    assert at(PRIME_CHUNK) > at(PRIME_CHUNK // 2) > 0
+    first = 0
+    assert cfg.layer_types[first] == KDA and cfg.mlp_layer_types[first] == "dense"
+    rows, d, c = PRIME_CHUNK, cfg.hidden_size, cfg.linear_dim
+    want = memory.PRIME_MARGIN * (rows * (2 * cfg.hc_mult + 6) * d * 4 + 11 * rows * c * 4)
+    assert abs(memory.prime_buffer_bytes(cfg, [first], PRIME_CHUNK) - want) <= 1
+
+
 def test_one_device_plan_agrees_with_the_cache_check():
     """Without graph buffers, one device's cache + buffers is memra.memory.cache_bytes at max_ctx."""
     cfg = cfg_of("small")

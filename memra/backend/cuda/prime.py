@@ -33,17 +33,13 @@ from cupy_backends.cuda.libs import cublas
 from memra.backend.cuda.fp8 import DeviceFp8
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, blocks_of, check, columns_grid, f32, i32, launch
 from memra.backend.pieces import LEFT_ORDER, PIECES, RIGHT_COPIES, SEGMENTS, piece_map
-from memra.limits import VERIFY_CAP
+from memra.limits import ATTEND_BYTES, ATTEND_ROWS, MOE_ROWS, VERIFY_CAP
 
 R_16BF, R_32F = 14, 0                    # cudaDataType
 COMPUTE_32F, GEMM_DEFAULT = 68, -1       # cublasComputeType_t, cublasGemmAlgo_t
 POINTER_HOST = 0                         # cublasPointerMode_t: alpha and beta live on the host
-ATTEND_BYTES = 1 << 30                   # scores (float32) and probability pieces one attention chunk may hold
-ATTEND_ROWS = 256                        # rows per attention chunk at most: a chunk scores up to its last row's
-                                         # context, so short chunks waste little of the causal triangle
 ALIGN = 8                                # context padded to a multiple: 16-byte bf16 rows for the tensor cores
 HC_SPLITS = 16                           # slices of the mHC matvec's flattened axis
-MOE_ROWS = 4096                          # prompt rows per routed-experts pass
 # (activation piece, weight piece) of a projection's GEMMs, smallest first (0 hi, 1 mid, 2 lo):
 # a bf16 weight is one piece; an FP8 weight's float32 values are three, of which the six
 # products of size at least 2^-16 of the product are kept

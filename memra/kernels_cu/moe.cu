@@ -7,14 +7,11 @@
 // Expert outputs land in per-(row, slot) scratch and are summed per row in slot order, so no
 // float atomics and no order that depends on which other rows exist.
 #include "common.cuh"
-#include "exact_mma.cuh"
-#include "exact_mma_fp8.cuh"
-#include "moe_passes.cuh"
+#include "moe_passes.cuh"  // the tensor-core expert tiles (bf16 and FP8) the kernels below run
 
 static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
 static_assert(MAX_GROUPS == 64, "moe_route_select keeps the groups in a 64-bit mask, two per lane");
 static_assert(GATE_UP_UNITS == 16, "a gate|up tile is one 16-row MMA block of gate rows, one of up rows");
-static_assert(DOWN_OUTS % 16 == 0 && BF16_OUTS % 16 == 0, "a down tile is whole 16-row MMA blocks");
 
 // Lane 0 returns the dot of w[0..n) and x[0..n): lane l sums c = l, l+32, ... then a fixed tree.
 template <typename T>
@@ -250,59 +247,6 @@ extern "C" __global__ void moe_expert_list(const long long* idx, int n, int E, i
     if (threadIdx.x == 0) *count = listed;
 }
 
-// bf16 experts, tensor cores. gate_up: block (i-tile of GATE_UP_UNITS, listed expert e = list[y]):
-// weight rows 0..15 are gate rows i0.., 16..31 the up rows, so the SwiGLU pairs meet in one tile.
-// down: block (c-tile of OUTS, listed expert). grid (ceil(I / GATE_UP_UNITS), min(E, t k)) and
-// (ceil(D / OUTS), ..), block MMA_THREADS; block rows past *listed exit at once. OUTS is
-// DOWN_OUTS for a bf16 tile of 8 rows, else BF16_OUTS: the FP8 tile, or 16 rows, at DOWN_OUTS
-// would need the registers of the whole SM for one block.
-template <int NT>
-static __device__ void gate_up_bf16(const float* x, const long long* idx, const int* list,
-                                    const int* listed, const unsigned short* gate_w,
-                                    const unsigned short* up_w, float* h, int t, int k, int I, int D,
-                                    float limit) {
-    if (blockIdx.y >= *listed) return;
-    const int e = list[blockIdx.y], i0 = blockIdx.x * GATE_UP_UNITS;
-    const bool w_aligned = (reinterpret_cast<unsigned long long>(gate_w) % 16) == 0 &&
-                           (reinterpret_cast<unsigned long long>(up_w) % 16) == 0 && D % 8 == 0;
-    const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && D % 4 == 0;
-    const int g = threadIdx.x % MMA_WARP / 4;
-    const unsigned short* wrow[2][2];  // the gate row and the up row of unit i meet in one lane
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int i = i0 + 8 * hh + g;
-        const long long off = ((long long)e * I + i) * D;
-        wrow[0][hh] = i < I ? gate_w + off : nullptr;
-        wrow[1][hh] = i < I ? up_w + off : nullptr;
-    }
-    auto mma = [&](const float* const (&xrow)[NT], MmaTile<2, NT>& sh) {
-        mma_tile<2, NT>(wrow, xrow, D, w_aligned, x_aligned, sh);
-    };
-    expert_passes<2, NT>(idx, t * k, e, x, k, D, mma, [&](int nr, const int* pairs, const auto& tile) {
-        store_swiglu(tile, nr, pairs, h, i0, I, limit);
-    });
-}
-
-template <int NT>
-static __device__ void down_bf16(const float* h, const long long* idx, const int* list,
-                                 const int* listed, const unsigned short* down_w, float* y, int t,
-                                 int k, int I, int D) {
-    constexpr int OUTS = NT == 1 ? DOWN_OUTS : BF16_OUTS, J = OUTS / 16;
-    if (blockIdx.y >= *listed) return;
-    const int e = list[blockIdx.y], c0 = blockIdx.x * OUTS;
-    const bool w_aligned = (reinterpret_cast<unsigned long long>(down_w) % 16) == 0 && I % 8 == 0;
-    const bool x_aligned = (reinterpret_cast<unsigned long long>(h) % 16) == 0 && I % 4 == 0;
-    const unsigned short* wrow[J][2];
-#pragma unroll
-    for (int j = 0; j < J; ++j) mma_rows(down_w + (long long)e * D * I, c0 + 16 * j, D, I, wrow[j]);
-    auto mma = [&](const float* const (&xrow)[NT], MmaTile<J, NT>& sh) {
-        mma_tile<J, NT>(wrow, xrow, I, w_aligned, x_aligned, sh);
-    };
-    expert_passes<J, NT>(idx, t * k, e, h, 1, I, mma, [&](int nr, const int* pairs, const auto& tile) {
-        store_down<OUTS>(tile, nr, pairs, y, c0, D);
-    });
-}
-
 #define EXPERTS_BF16(NT)                                                                           \
     extern "C" __global__ void moe_gate_up_bf16_n##NT(const float* x, const long long* idx,        \
                                                       const int* list, const int* listed,          \
@@ -319,57 +263,6 @@ static __device__ void down_bf16(const float* h, const long long* idx, const int
     }
 
 EXPERTS_BF16(1) EXPERTS_BF16(2)
-
-// FP8 experts (e4m3 bytes [E, rows, cols], scales [E, ceil(rows / FP8_BLOCK), ceil(cols / FP8_BLOCK)]):
-// the bf16 expert tiles with exact_mma_fp8.cuh's blockwise tile, one byte read per weight. Same
-// grids; a gate|up tile's 16 units share one scale row (GATE_UP_UNITS divides FP8_BLOCK).
-static_assert(FP8_BLOCK % GATE_UP_UNITS == 0 && FP8_BLOCK % 16 == 0, "a tile's rows share one scale row");
-template <int NT>
-static __device__ void gate_up_fp8(const float* x, const long long* idx, const int* list, const int* listed,
-                                   const unsigned char* gate_w, const float* gate_s, const unsigned char* up_w,
-                                   const float* up_s, float* h, int t, int k, int I, int D, float limit) {
-    if (blockIdx.y >= *listed) return;
-    const int e = list[blockIdx.y], i0 = blockIdx.x * GATE_UP_UNITS;
-    const bool w_aligned = (reinterpret_cast<unsigned long long>(gate_w) % 16) == 0 &&
-                           (reinterpret_cast<unsigned long long>(up_w) % 16) == 0 && D % 16 == 0;
-    const bool x_aligned = (reinterpret_cast<unsigned long long>(x) % 16) == 0 && D % 4 == 0;
-    const long long rows = (I + FP8_BLOCK - 1) / FP8_BLOCK, cols = (D + FP8_BLOCK - 1) / FP8_BLOCK;
-    const unsigned char* wrow[2][2];
-    const float* srow[2];
-    mma_rows_fp8(gate_w + (long long)e * I * D, gate_s + e * rows * cols, i0, I, D, cols, wrow[0], srow[0]);
-    mma_rows_fp8(up_w + (long long)e * I * D, up_s + e * rows * cols, i0, I, D, cols, wrow[1], srow[1]);
-    // mma_rows_fp8 gives rows i0 + g and i0 + 8 + g: the gate row and the up row of a unit meet in one lane
-    auto mma = [&](const float* const (&xrow)[NT], MmaTile<2, NT>& sh) {
-        mma_tile_fp8<2, NT>(wrow, srow, xrow, D, w_aligned, x_aligned, sh);
-    };
-    expert_passes<2, NT>(idx, t * k, e, x, k, D, mma, [&](int nr, const int* pairs, const auto& tile) {
-        store_swiglu(tile, nr, pairs, h, i0, I, limit);
-    });
-}
-
-template <int NT>
-static __device__ void down_fp8(const float* h, const long long* idx, const int* list, const int* listed,
-                                const unsigned char* down_w, const float* down_s, float* y, int t, int k, int I,
-                                int D) {
-    constexpr int J = BF16_OUTS / 16;
-    if (blockIdx.y >= *listed) return;
-    const int e = list[blockIdx.y], c0 = blockIdx.x * BF16_OUTS;
-    const bool w_aligned = (reinterpret_cast<unsigned long long>(down_w) % 16) == 0 && I % 16 == 0;
-    const bool x_aligned = (reinterpret_cast<unsigned long long>(h) % 16) == 0 && I % 4 == 0;
-    const long long rows = (D + FP8_BLOCK - 1) / FP8_BLOCK, cols = (I + FP8_BLOCK - 1) / FP8_BLOCK;
-    const unsigned char* wrow[J][2];
-    const float* srow[J];
-#pragma unroll
-    for (int j = 0; j < J; ++j)
-        mma_rows_fp8(down_w + (long long)e * D * I, down_s + e * rows * cols, c0 + 16 * j, D, I, cols,
-                     wrow[j], srow[j]);
-    auto mma = [&](const float* const (&xrow)[NT], MmaTile<J, NT>& sh) {
-        mma_tile_fp8<J, NT>(wrow, srow, xrow, I, w_aligned, x_aligned, sh);
-    };
-    expert_passes<J, NT>(idx, t * k, e, h, 1, I, mma, [&](int nr, const int* pairs, const auto& tile) {
-        store_down<BF16_OUTS>(tile, nr, pairs, y, c0, D);
-    });
-}
 
 #define EXPERTS_FP8(NT)                                                                            \
     extern "C" __global__ void moe_gate_up_fp8_n##NT(                                              \

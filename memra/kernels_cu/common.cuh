@@ -31,6 +31,16 @@ __device__ __forceinline__ float sigmoidf_stable(float x) {
     return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
 }
 
+// The per-column layout of runtime.columns_grid: a thread per column c < d, rows blockIdx.y,
+// + gridDim.y, ... below m (looped past the grid's 65535; no 64-bit division per element);
+// f(row, c) for each of the thread's rows.
+template <typename F>
+__device__ __forceinline__ void for_column_rows(long long m, int d, F f) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= d) return;
+    for (long long r = blockIdx.y; r < m; r += gridDim.y) f(r, c);
+}
+
 // Fixed-shape tree sum over MEMRA_BLOCK partials held in shared memory; returns the total to all.
 __device__ __forceinline__ float block_sum(float v, float* shm) {
     shm[threadIdx.x] = v;

@@ -111,20 +111,18 @@ extern "C" __global__ void hc_weights(const float* __restrict__ part, const floa
     if (a < n) comb[(long long)r * n * n + a * n + b] = c[a * n + b];
 }
 
-// The per-channel kernels below: grid (ceil(D / block), min(t, 65535)), thread k of a row,
-// rows r = blockIdx.y, + gridDim.y, ... (no 64-bit division per element).
+// The per-channel kernels below: grid runtime.columns_grid(t, D), for_column_rows's layout
+// (common.cuh): thread k of a row, rows blockIdx.y, + gridDim.y, ...
 
 // out[r, k] = sum_i pre[r, i] X[r, i, k], streams accumulated 0..n-1.
 extern "C" __global__ void hc_collapse(const float* __restrict__ streams, const float* __restrict__ pre,
                                        float* __restrict__ out, int t, int n, int d) {
-    const int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k >= d) return;
-    for (long long r = blockIdx.y; r < t; r += gridDim.y) {
+    for_column_rows(t, d, [&](long long r, int k) {
         const float* x = streams + r * n * d + k;
         float acc = pre[r * n] * x[0];
         for (int i = 1; i < n; ++i) acc = acc + pre[r * n + i] * x[(long long)i * d];
         out[r * d + k] = acc;
-    }
+    });
 }
 
 // X'[r, b, k] = post[r, b] f[r, k] + sum_a C[r, a, b] X[r, a, k] (C transposed), a ascending.
@@ -132,9 +130,7 @@ extern "C" __global__ void hc_collapse(const float* __restrict__ streams, const 
 extern "C" __global__ void hc_combine(const float* __restrict__ streams, const float* __restrict__ f,
                                       const float* __restrict__ post, const float* __restrict__ comb,
                                       float* __restrict__ out, int t, int n, int d) {
-    const int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k >= d) return;
-    for (long long r = blockIdx.y; r < t; r += gridDim.y) {
+    for_column_rows(t, d, [&](long long r, int k) {
         const float* x = streams + r * n * d + k;
         float xs[HC_MAX_N];
 #pragma unroll
@@ -148,18 +144,16 @@ extern "C" __global__ void hc_combine(const float* __restrict__ streams, const f
                 if (a < n) acc = acc + c[a * n] * xs[a];
             out[(r * n + b) * d + k] = post[r * n + b] * fk + acc;
         }
-    }
+    });
 }
 
 // Unweighted stream mean: sum in stream order, then one division by n (as the reference).
 extern "C" __global__ void stream_mean(const float* __restrict__ streams, float* __restrict__ out,
                                        int t, int n, int d) {
-    const int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k >= d) return;
-    for (long long r = blockIdx.y; r < t; r += gridDim.y) {
+    for_column_rows(t, d, [&](long long r, int k) {
         const float* x = streams + r * n * d + k;
         float acc = x[0];
         for (int i = 1; i < n; ++i) acc = acc + x[(long long)i * d];
         out[r * d + k] = acc / (float)n;
-    }
+    });
 }

@@ -51,53 +51,45 @@ static __device__ __forceinline__ float sum_pieces(const float* p, int d) {
     return (p[2 * d] + p[d]) + p[0];
 }
 
-// The elementwise kernels below: grid (ceil(d / block), min(rows, 65535)), a thread per column,
-// rows blockIdx.y, + gridDim.y, ... (no 64-bit division per element). row_grid in prime.py.
+// The elementwise kernels below: grid runtime.columns_grid(rows, d), for_column_rows's layout.
 
 // out [m, 3, d] = the pieces of x[rows[i]] (rows null: x[i]).
 extern "C" __global__ void bf16_pieces(const float* x, const long long* rows, unsigned short* out,
                                        long long m, int d) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= d) return;
-    for (long long i = blockIdx.y; i < m; i += gridDim.y) {
+    for_column_rows(m, d, [&](long long i, int c) {
         const long long src = rows != nullptr ? rows[i] : i;
         put_pieces(x[src * d + c], out + i * 3 * d + c, d);
-    }
+    });
 }
 
 // The routed experts' hidden rows: gate, up [m, 3, I] are GEMM rows of the input's pieces;
 // out [m, 3, I] = the pieces of swiglu_clamped (dense.cu's swiglu_kernel) of their sums.
 extern "C" __global__ void swiglu_pieces(const float* gate, const float* up, unsigned short* out,
                                          long long m, int d, float limit) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= d) return;
-    for (long long i = blockIdx.y; i < m; i += gridDim.y) {
+    for_column_rows(m, d, [&](long long i, int c) {
         const long long at = i * 3 * d + c;
         put_pieces(swiglu_clamped(sum_pieces(gate + at, d), sum_pieces(up + at, d), limit), out + at, d);
-    }
+    });
 }
 
 // out [t, D]: row r's expert outputs weighted in slot order (moe.cu's moe_combine), slot
 // s = r * k + j read from down [M, 3, D] (GEMM rows of the hidden pieces) at its sorted row at[s].
 extern "C" __global__ void expert_combine(const float* down, const long long* at, const float* wts,
                                           float* out, int t, int k, int D) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= D) return;
-    for (long long r = blockIdx.y; r < t; r += gridDim.y) {
+    for_column_rows(t, D, [&](long long r, int c) {
         float acc = 0.0f;
         for (int j = 0; j < k; ++j)
             acc = acc + sum_pieces(down + at[r * k + j] * 3 * D + c, D) * wts[r * k + j];
         out[r * D + c] = acc;
-    }
+    });
 }
 
 // out[i * row_stride + s * copy_stride + c] = copy s of x[i, c]'s pieces (put_piece_copies).
 extern "C" __global__ void piece_copies(const float* x, unsigned short* out, long long m, int d, int copies,
                                         int map, long long row_stride, long long copy_stride) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= d) return;
-    for (long long i = blockIdx.y; i < m; i += gridDim.y)
+    for_column_rows(m, d, [&](long long i, int c) {
         put_piece_copies(x[i * d + c], out + i * row_stride + c, copies, map, copy_stride);
+    });
 }
 
 // grid (rows), block MEMRA_BLOCK: out[r * stride + at] = sum over x[r, :n] of x^2 (one pass
@@ -161,12 +153,10 @@ static __device__ __forceinline__ float e4m3_value(unsigned char b) {
 // its bf16 pieces: a prompt's FP8 projections then run as bf16 GEMMs.
 extern "C" __global__ void fp8_pieces(const unsigned char* data, const float* scale, unsigned short* out,
                                       int n_out, int n_in) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_in) return;
     const long long n = (long long)n_out * n_in;
     const int scale_cols = (n_in + FP8_BLOCK - 1) / FP8_BLOCK;
-    for (int o = blockIdx.y; o < n_out; o += gridDim.y) {
-        const long long e = (long long)o * n_in + i;
+    for_column_rows(n_out, n_in, [&](long long o, int i) {
+        const long long e = o * n_in + i;
         put_pieces(e4m3_value(data[e]) * scale[(o / FP8_BLOCK) * scale_cols + i / FP8_BLOCK], out + e, n);
-    }
+    });
 }

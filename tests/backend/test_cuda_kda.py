@@ -188,4 +188,5 @@ def test_short_conv_in_groups_lays_each_groups_rows_side_by_side(t):
     grouped = cp.asnumpy(KdaOps().short_conv(x, ring3, w, groups=3))
     assert grouped.shape == (3, t, 64)
     assert grouped.tobytes() == np.ascontiguousarray(flat.reshape(t, 3, 64).transpose(1, 0, 2)).tobytes()
+    assert t == 1 or grouped.tobytes() != flat.tobytes()  # red arm: [t, C] bytes are another layout
     assert cp.asnumpy(ring).tobytes() == cp.asnumpy(ring3).tobytes()

@@ -324,6 +324,7 @@ def test_short_conv_in_groups_lays_each_groups_rows_side_by_side():
     grouped = NumpyBackend().short_conv(x, ring.copy(), w, groups=3)
     assert grouped.shape == (3, 5, 4) and grouped.flags.c_contiguous
     assert np.array_equal(grouped, flat.reshape(5, 3, 4).transpose(1, 0, 2))
+    assert not np.array_equal(grouped, flat.reshape(3, 5, 4))  # red arm: the layout is told apart
 
 
 def test_a_scaled_l2norm_is_the_scale_of_the_l2norm():
@@ -331,3 +332,7 @@ def test_a_scaled_l2norm_is_the_scale_of_the_l2norm():
     x, be = normal(np.random.default_rng(5), (6, 128)), NumpyBackend()
     assert np.array_equal(be.l2norm(x, 1e-6, scale=128 ** -0.5), be.scale(be.l2norm(x, 1e-6), 128 ** -0.5))
     assert np.array_equal(be.l2norm(x, 1e-6, scale=1.0), be.l2norm(x, 1e-6))
+    # red arm: the scale taken before the division moves some bits, so the equality above is the order's
+    den = np.stack([np.sqrt(np.sum(r * r, dtype=np.float32) + np.float32(1e-6)) for r in x])[:, None]
+    assert np.array_equal(be.l2norm(x, 1e-6), x / den)  # the same denominator as the op's
+    assert not np.array_equal(be.l2norm(x, 1e-6, scale=128 ** -0.5), (x * np.float32(128 ** -0.5)) / den)

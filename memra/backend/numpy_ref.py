@@ -210,6 +210,10 @@ class NumpyBackend(NumpyKdaOps):
         """Row-wise argmax; np.argmax returns the lowest index among ties."""
         return np.argmax(x, axis=-1)
 
+    def pick(self, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """x [..., n], idx [...] (ints in 0..n-1) -> x[..., idx]: each row's entry at its index."""
+        return np.take_along_axis(x, np.asarray(idx, dtype=np.int64)[..., None], axis=-1)[..., 0]
+
     # ---- mHC ----------------------------------------------------------------------------------
     def hc_weights(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int):
         """mHC site weights per row: (pre [t, n], post [t, n], comb [t, n, n]).

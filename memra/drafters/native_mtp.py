@@ -57,6 +57,7 @@ class NativeMtpDrafter:
             self.d2t = ids.astype(np.int64)
             be = model.be
             self.head = be.matrix(np.asarray(be.to_host(self.head))[self.d2t])
+            self.d2t_rows = be.asarray(self.d2t[None, :], dtype=np.int64)  # [1, n]: be.pick maps a rank row
         # test-only instrument: use the rank id as the token id (the skipped-remap defect)
         self.skip_d2t_remap = False
 
@@ -78,37 +79,55 @@ class NativeMtpState:
         self.committed_len = self.plane.length
 
     def _step(self, tokens, h):
+        """One draft step over token ids (host, or the device ids of the chain's last argmax)
+        -> (logits [t, V] on the device, the last row's carrier)."""
         d = self.drafter
-        mtp, be = d.model.mtp, d.model.be
-        logits, carrier = mtp(np.asarray(tokens, dtype=np.int64), h, self.plane, self.plane.length, d.head,
-                              walks=self.walks)
-        return be.to_host(logits[-1]), carrier[-1:]  # the carrier feeds the next step before any replay
+        logits, carrier = d.model.mtp(tokens, h, self.plane, self.plane.length, d.head, walks=self.walks)
+        return logits, carrier[-1:]  # the carrier feeds the next step before any replay
 
     def propose(self, k: int, sampling=None) -> Proposal:
         """K chained drafts: greedy argmaxes, or (sampling) draws from the filtered draft
         distribution, whose rows (scattered to the full vocab) are the proposal's q."""
-        d, be = self.drafter, self.drafter.model.be
+        be = self.drafter.model.be
         h = be.concat(self.pending_h, axis=0)
-        logits, carrier = self._step(self.pending_tokens, h)
+        logits, carrier = self._step(np.asarray(self.pending_tokens, dtype=np.int64), h)
         self.pending_tokens, self.pending_h = [], []
         self.committed_len = self.plane.length
+        if sampling is None:
+            return self._greedy(k, logits, carrier)
         tokens, confidences, q_rows = [], [], []
         for ki in range(k):
-            if sampling is None:
-                rank = int(np.argmax(logits))
-                z = np.exp(logits - logits.max())
-                confidences.append(float(z[rank] / z.sum()))
-            else:
-                probs = sampling.filter(logits)
-                confidences.append(float(probs.max()))  # before the draw: see Proposal.confidences
-                rank = sampling.draw(probs)
-                q_rows.append(self._full_vocab(probs))
-            tok = rank if d.d2t is None or d.skip_d2t_remap else int(d.d2t[rank])
+            probs = sampling.filter(be.to_host(logits[-1]))
+            confidences.append(float(probs.max()))  # before the draw: see Proposal.confidences
+            tok = self._token(sampling.draw(probs))
             tokens.append(tok)
+            q_rows.append(self._full_vocab(probs))
             if ki + 1 < k:
-                logits, carrier = self._step([tok], carrier)
-        q = DenseQ(np.stack(q_rows)) if q_rows else None
-        return Proposal(tokens=tokens, q=q, confidences=confidences)
+                logits, carrier = self._step(np.asarray([tok], dtype=np.int64), carrier)
+        return Proposal(tokens=tokens, q=DenseQ(np.stack(q_rows)), confidences=confidences)
+
+    def _greedy(self, k: int, logits, carrier) -> Proposal:
+        """K argmax drafts chained on the device: each step's argmax id feeds the next step
+        (through d2t) without a trip through the host, so the steps queue back to back; the ids
+        and confidences (the argmax's softmax probability) come back once, at the end."""
+        d, be = self.drafter, self.drafter.model.be
+        remap = None if d.d2t is None or d.skip_d2t_remap else d.d2t_rows
+        ranks, confidences = [], []
+        for ki in range(k):
+            row = logits[-1:]
+            rank = be.argmax(row)  # [1]: the lowest index among ties, as np.argmax
+            ranks.append(rank)
+            confidences.append(be.pick(be.softmax(row), rank))
+            if ki + 1 < k:
+                logits, carrier = self._step(rank if remap is None else be.pick(remap, rank), carrier)
+        ranks = be.to_host(be.concat(ranks, axis=0))
+        confidences = be.to_host(be.concat(confidences, axis=0))
+        return Proposal(tokens=[self._token(int(r)) for r in ranks], confidences=[float(c) for c in confidences])
+
+    def _token(self, rank: int) -> int:
+        """A draft head rank -> its token id (the identity without an FR-Spec trim)."""
+        d = self.drafter
+        return rank if d.d2t is None or d.skip_d2t_remap else int(d.d2t[rank])
 
     def _full_vocab(self, probs: np.ndarray) -> np.ndarray:
         d = self.drafter

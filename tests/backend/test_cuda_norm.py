@@ -1,5 +1,5 @@
 """The norm family on the GPU (NormOps, backend/cuda/norm.py -> kernels_cu/norm.cu): RMSNorm (plain
-and gated), LayerNorm, L2 norm, softmax, log-softmax and argmax, one row reduction each.
+and gated), LayerNorm, L2 norm, softmax, log-softmax and argmax, one row reduction each, and pick (a row's entry at a device index).
 
 The table below runs through the shared gates of tests/backend/harness.py (numpy twin within
 each op's bound, t = 1..15 row invariance, red arms: a sum of squares split into t parts, a
@@ -19,6 +19,7 @@ cp = cupy_or_skip()
 
 from memra.backend.cuda.backend import CudaBackend  # noqa: E402
 from memra.backend.cuda.norm import ARGMAX_SPAN, NormOps, launch_norm  # noqa: E402
+from memra.backend.numpy_ref import NumpyBackend  # noqa: E402
 from memra.kernels_cu.constants import NORM_WARP_ROW  # noqa: E402
 from tests.backend.harness import OpGates, RedArm, split_dot, table  # noqa: E402
 from tests.backend.inputs import make_norm, make_rows, normal  # noqa: E402
@@ -120,6 +121,14 @@ def test_argmax_follows_numpy_on_nan_inf_and_ties():
     x = np.array([[1.0, np.nan, 3.0, np.nan], [-np.inf] * 4, [2.0, 5.0, 5.0, -1.0],
                   [-0.0, 0.0, -1.0, -0.0]], F32)
     assert np.array_equal(cp.asnumpy(NormOps().argmax(cp.asarray(x))), np.argmax(x, axis=-1))
+
+
+def test_pick_gathers_each_rows_entry_at_its_device_index_like_numpy():
+    x = normal(np.random.default_rng(7), (3, 5, 1001))
+    idx = np.random.default_rng(8).integers(0, 1001, (3, 5))
+    got = cp.asnumpy(NormOps().pick(cp.asarray(x), cp.asarray(idx, dtype=cp.int32)))
+    assert np.array_equal(got, NumpyBackend().pick(x, idx))
+    assert np.array_equal(got, x[np.arange(3)[:, None], np.arange(5)[None, :], idx])
 
 
 def test_wrapper_refuses_non_contiguous_or_wrongly_typed_inputs():

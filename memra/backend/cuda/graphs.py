@@ -4,8 +4,10 @@ A walk (the trunk over t rows) is a fixed sequence of kernel launches whose only
 the token ids and the first position. Every kernel that depends on the position reads it from a
 device buffer and is sized by what the cache can hold, not by how full it is. So one graph per
 walk shape serves every later step of that shape: write the inputs into the graph's buffer,
-launch the graph. The graph runs the very kernels the eager walk runs, on the same arguments, so
-its results are the eager walk's bits (tests/model/test_walk_graphs.py holds it to that).
+launch the graph. Token ids may already be on the device (a native-mtp chain's last argmax): they
+are then copied into the buffer on the device, and no step waits for the host. The graph runs
+the very kernels the eager walk runs, on the same arguments, so its results are the eager walk's
+bits (tests/model/test_walk_graphs.py holds it to that).
 
 The graphs are per cache (and per native-MTP draft session, whose steps also take the carrier
 rows as a device input), because they hold that cache's state planes by address. The first walk
@@ -24,17 +26,28 @@ import cupy as cp
 from memra.backend.cuda.dense import graph_counters, split_k_counters
 
 
-def _packed(tokens, pos0: int) -> np.ndarray:
-    """The walk's host inputs in one int32 upload: [pos0, tokens...]."""
-    return np.concatenate([[pos0], np.asarray(tokens, np.int64)]).astype(np.int32)
+def _load(inputs, tokens, pos0: int) -> None:
+    """inputs (int32 [1 + t]) = [pos0, tokens...]. Host ids go up in one upload; device ids (a
+    draft chain's own argmax) are copied on the device, so the chain never waits for the host."""
+    if isinstance(tokens, cp.ndarray):
+        inputs[:1].fill(pos0)
+        cp.copyto(inputs[1:], tokens.reshape(-1), casting="unsafe")
+    else:
+        inputs.set(np.concatenate([[pos0], np.asarray(tokens, np.int64)]).astype(np.int32))
+
+
+def _inputs(tokens, pos0: int):
+    inputs = cp.empty(1 + len(tokens), cp.int32)
+    _load(inputs, tokens, pos0)
+    return inputs
 
 
 class CapturedWalk:
     """One walk shape captured into a graph, with its input buffers and output arrays."""
 
-    def __init__(self, walk, packed: np.ndarray, arrays: tuple):
+    def __init__(self, walk, tokens, pos0: int, arrays: tuple):
         self.pool = cp.cuda.MemoryPool()
-        self.inputs = cp.asarray(packed)
+        self.inputs = _inputs(tokens, pos0)
         self.arrays = tuple(a.copy() for a in arrays)  # device inputs, copied in before a replay
         self.counters = split_k_counters()  # the graph's projection groups count split-K tiles here
         stream = cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
@@ -45,8 +58,8 @@ class CapturedWalk:
             finally:
                 self.graph = stream.end_capture()
 
-    def replay(self, packed: np.ndarray, arrays: tuple):
-        self.inputs.set(packed)
+    def replay(self, tokens, pos0: int, arrays: tuple):
+        _load(self.inputs, tokens, pos0)
         for buffer, a in zip(self.arrays, arrays):
             cp.copyto(buffer, a)  # stream-ordered: done before the graph overwrites its outputs
         self.graph.launch()  # on the current stream, after the uploads
@@ -55,9 +68,9 @@ class CapturedWalk:
 
 class WalkGraphs:
     """A cache's walk runner on the CUDA backend: `run(key, walk, tokens, pos0, *arrays)` returns
-    walk(device tokens, device position, *arrays), replaying a graph per `key` when `enabled`
-    (the key fixes the arrays' shapes). key None (a prefill, whose length varies) always runs
-    eagerly."""
+    walk(device tokens, device position, *arrays) for host or device token ids, replaying a graph
+    per `key` when `enabled` (the key fixes the arrays' shapes). key None (a prefill, whose length
+    varies) always runs eagerly."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -65,13 +78,12 @@ class WalkGraphs:
         self.graphs: dict = {}
 
     def run(self, key, walk, tokens, pos0: int, *arrays):
-        packed = _packed(tokens, pos0)
         if key is None or not self.enabled or key not in self.seen:
             if key is not None:
                 self.seen.add(key)
-            inputs = cp.asarray(packed)
+            inputs = _inputs(tokens, pos0)
             return walk(inputs[1:], inputs[:1], *arrays)
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self.graphs[key] = CapturedWalk(walk, packed, arrays)
-        return captured.replay(packed, arrays)
+            captured = self.graphs[key] = CapturedWalk(walk, tokens, pos0, arrays)
+        return captured.replay(tokens, pos0, arrays)

@@ -103,3 +103,8 @@ class NormOps:
             launch("norm", "argmax_parts", (rows, parts), (BLOCK,), (x, vals, idxs, i32(n), i32(ARGMAX_SPAN)))
             launch("norm", "argmax_rows", (rows,), (BLOCK,), (vals, idxs, out, i32(parts)))
         return out
+
+    def pick(self, x, idx):
+        """x [..., n], idx [...] (device ints in 0..n-1) -> x[..., idx]: each row's entry at its
+        index (a gather, no arithmetic), without a trip through the host."""
+        return cp.take_along_axis(x, idx.astype(cp.int64)[..., None], axis=-1)[..., 0]

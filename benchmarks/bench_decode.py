@@ -33,8 +33,8 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_decode.py`: `be
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    WARMUP_STEPS, bandwidth_fraction, build_model, counted_launches, emit, greedy_steps, int_list,
-    model_args, model_config, moe_layer_count, prime_context, random_tokens, record_header, roof_gbs,
+    WARMUP_STEPS, bandwidth_fraction, card_head, counted_launches, emit, greedy_steps, int_list, model_args,
+    model_config, model_from_args, moe_layer_count, prime_context, random_tokens, record_header, roof_gbs,
     state_bytes, timed_call, weight_bytes,
 )
 from benchmarks.kernel_profile import kernel_profile  # noqa: E402
@@ -147,7 +147,7 @@ def decode(model, args, roof: float | None) -> dict:
 
 def card(record: dict) -> list[str]:
     d, roof = record["decode"], record["copy_bandwidth_gbs"]
-    lines = [f"bench_decode {record['config']['preset']} on {record['device']}"
+    lines = [card_head(record)
              + (f"  copy bandwidth {roof:.0f} GB/s" if roof else "")]
     for name, p in record["prefill"].items():
         lines.append(f"  prefill {name:<12} {p['ms']:10.2f} ms  {p['tokens_per_s']:10.0f} tokens/s"
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     ap = model_args(__doc__)
     ap.add_argument("--prompt-lens", type=int_list, default=[512, 4096], help="prefill lengths, e.g. 512,4096")
     args = ap.parse_args(argv)
-    model = build_model(args.preset, args.backend, args.seed, args.dtype)
+    model = model_from_args(args)
     roof = roof_gbs(model.be)
     config = model_config(args, model, prompt_lens=args.prompt_lens)
     record = record_header("bench_decode", args.git_sha, config, model.be) | {

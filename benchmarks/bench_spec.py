@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_spec.py`: `benc
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    WARMUP_STEPS, build_model, emit, greedy_steps, model_args, model_config, prime_context, random_tokens,
+    WARMUP_STEPS, card_head, emit, greedy_steps, model_args, model_config, model_from_args, prime_context, random_tokens,
     record_header, timed_call, verify_times,
 )
 from memra.config import preset  # noqa: E402
@@ -216,7 +216,7 @@ def point(model, prompt, tape, alpha, k, verify_ms, costs, plain_tps, args) -> d
 
 def card(record: dict) -> list[str]:
     p = record["plain"]
-    lines = [f"bench_spec {record['config']['preset']} on {record['device']}  plain "
+    lines = [card_head(record) + "  plain "
              f"{p['tokens_per_s']:.1f} tokens/s ({p['ms_per_step']:.3f} ms/step)"]
     for name, reason in record["draft_unavailable"].items():
         lines.append(f"  {name}: not measured ({reason})")
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", help="a bench_accept JSON record: also run each of its greedy (source, K) "
                     "acceptance profiles, costed with that source's own draft cost")
     args = ap.parse_args(argv)
-    model = build_model(args.preset, args.backend, args.seed, args.dtype)
+    model = model_from_args(args)
     # the tape covers a burst's overshoot (up to K tokens past --steps) so drafts never run out
     room = WARMUP_STEPS + args.steps + (GRAPH_ROUNDS + 1) * (max(args.ks) + 1)
     cache, anchor = prime_context(model, args.context, room, args.seed)

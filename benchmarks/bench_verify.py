@@ -24,8 +24,8 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_verify.py`: `be
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    WARMUP_STEPS, bandwidth_fraction, build_model, counted_launches, emit, greedy_steps, int_list,
-    model_args, model_config, prime_context, record_header, roof_gbs, routed_experts, state_bytes,
+    WARMUP_STEPS, bandwidth_fraction, card_head, counted_launches, emit, greedy_steps, int_list, model_args,
+    model_config, model_from_args, prime_context, record_header, roof_gbs, routed_experts, state_bytes,
     verify_times, weight_bytes,
 )
 from memra.limits import VERIFY_CAP  # noqa: E402
@@ -64,7 +64,7 @@ def walk(model, cache, tokens: list[int], reps: int, roof: float | None) -> dict
 
 def card(record: dict) -> list[str]:
     roof = record["copy_bandwidth_gbs"]
-    lines = [f"bench_verify {record['config']['preset']} on {record['device']}"
+    lines = [card_head(record)
              + (f"  copy bandwidth {roof:.0f} GB/s" if roof else "")
              + f"  decode step {record['decode_ms']:.3f} ms"]
     for w in record["verify"].values():
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
                     help="row counts t, e.g. 1-15 (the default) or 1,8")
     ap.add_argument("--reps", type=int, default=10, help="timed walks per row count")
     args = ap.parse_args(argv)
-    model = build_model(args.preset, args.backend, args.seed, args.dtype)
+    model = model_from_args(args)
     roof = roof_gbs(model.be)
     cache, anchor = prime_context(model, args.context, VERIFY_CAP + WARMUP_STEPS + args.steps, args.seed)
     tape = greedy_tape(model, cache, anchor, max(args.rows))

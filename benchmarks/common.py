@@ -42,7 +42,11 @@ from memra.backend.fp8 import Fp8Block, f32_to_e4m3, scale_grid
 from memra.checkpoint import expected_tensors, fixture_tensor
 from memra.checkpoint_fp8 import fp8_allowed
 from memra.config import ModelConfig, preset
+from memra.memory import config_weight_bytes
+from memra.memory_plan import balanced_split
 from memra.model.moe import Moe
+from memra.model.pipeline import StagedGlm5Model
+from memra.model.stages import plan_stages
 from memra.model.trunk import Glm5Model
 from memra.safetensors_io import f32_to_bf16
 
@@ -106,10 +110,25 @@ def _pool_slice(pool: np.ndarray, n: int, rng) -> np.ndarray:
     return np.concatenate([pool[s:s + piece] for s in starts])[:n]
 
 
-def build_model(preset_name: str, backend_name: str, seed: int = 0, dtype: str = "bf16") -> Glm5Model:
-    """A preset's Glm5Model on a backend ("numpy" | "cuda"), weights ("bf16" | "fp8") from `bench_weights`."""
+def build_model(preset_name: str, backend_name: str, seed: int = 0, dtype: str = "bf16", stages: int = 1,
+                stage_layers=None, devices=None) -> Glm5Model:
+    """A preset's Glm5Model on a backend ("numpy" | "cuda"), weights ("bf16" | "fp8") from `bench_weights`.
+    stages > 1 (or a `stage_layers` split like "0-5,6-11") places the trunk as pipeline stages as
+    load_model does (balanced by the release's weight bytes), stage s on GPU devices[s] (default s)."""
     cfg = ModelConfig.from_dict(preset(preset_name))
-    return Glm5Model(cfg, bench_weights(cfg, seed, dtype=dtype), get_backend(backend_name))
+    be = get_backend(backend_name)
+    plan = plan_stages(cfg.num_hidden_layers, stages, stage_layers,
+                       lambda n: balanced_split(config_weight_bytes(cfg, dtype), n))
+    weights = bench_weights(cfg, seed, dtype=dtype)
+    if plan.count == 1:
+        return Glm5Model(cfg, weights, be)
+    return StagedGlm5Model(cfg, weights, be, plan, devices)
+
+
+def model_from_args(args) -> Glm5Model:
+    """build_model from model_args' options."""
+    return build_model(args.preset, args.backend, args.seed, args.dtype, args.gpus, args.stage_layers,
+                       args.stage_devices)
 
 
 def random_tokens(cfg: ModelConfig, n: int, seed: int) -> np.ndarray:
@@ -338,7 +357,7 @@ def int_list(text: str) -> list[int]:
 def model_args(doc: str) -> argparse.ArgumentParser:
     """The options every model benchmark takes; a script adds its own."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--preset", default="bench", help="config preset (bench, bench-dense, small, mini)")
+    ap.add_argument("--preset", default="bench", help="config preset (bench, bench-dense, bench-xl, small, mini)")
     ap.add_argument("--backend", default="cuda", choices=("cuda", "numpy"))
     ap.add_argument("--git-sha", required=True, help="the commit measured (recorded in the JSON)")
     ap.add_argument("--out", help="also write the JSON record here")
@@ -347,14 +366,21 @@ def model_args(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="weights and prompt tokens")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"),
                     help="weights: bf16, or the FP8 release's split (e4m3 + 128x128 block scales)")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="pipeline stages, balanced by weight bytes, stage s on GPU s (numpy: in this process)")
+    ap.add_argument("--stage-layers", help="the pipeline split by hand, like 0-5,6-11")
+    ap.add_argument("--stage-devices", type=int_list,
+                    help="the GPU of each stage, like 0,0: every stage on GPU 0 measures the split's own cost")
     return ap
 
 
 def model_config(args, model: Glm5Model, **extra) -> dict:
     """The `config` of a model benchmark's record: the options and the full model config."""
+    staged = getattr(model, "placement", None)
+    stages = {} if staged is None else {"stage_layers": staged.describe(), "stage_devices": list(model.lanes.devices)}
     return {"preset": args.preset, "backend": args.backend, "seed": args.seed, "context": args.context,
-            "steps": args.steps, **extra, "weights": f"{getattr(args, 'dtype', 'bf16')}, built in memory "
-                                                    "(benchmarks/common.py)",
+            "steps": args.steps, **stages, **extra,
+            "weights": f"{getattr(args, 'dtype', 'bf16')}, built in memory (benchmarks/common.py)",
             "model": model.cfg.to_dict()}
 
 
@@ -362,6 +388,19 @@ def record_header(bench: str, git_sha: str, config: dict, be) -> dict:
     """The head of every record: what ran, where (backend `be`'s device), when, on which commit."""
     return {"bench": bench, "git_sha": git_sha, "date": datetime.date.today().isoformat(),
             "device": be.device_name(), "config": config}
+
+
+def placement(config: dict) -> str:
+    """" stages 0-5,6-11 on GPUs 0,1" for a record's config that ran staged, else ""."""
+    split, gpus = config.get("stage_layers"), config.get("stage_devices") or []
+    if split is None:
+        return ""
+    return f" stages {split}" + ("" if None in gpus else f" on GPUs {','.join(map(str, gpus))}")
+
+
+def card_head(record: dict) -> str:
+    """"bench_x PRESET[ stages ...] on DEVICE": a card's first words."""
+    return f"{record['bench']} {record['config']['preset']}{placement(record['config'])} on {record['device']}"
 
 
 def emit(record: dict, card_lines: list[str], out_path: str | None = None) -> None:

@@ -12,6 +12,11 @@ import json
 import sys
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as `python benchmarks/readme_table.py`: `benchmarks` is at the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import placement  # noqa: E402
+
 
 PROFILE_ROWS = 12  # kernel families listed per profile; the rest in one row
 NAME_CHARS = 60    # cuBLAS kernel names run past 100 characters
@@ -22,9 +27,12 @@ def _head(path: str, r: dict) -> str:
 
 
 def _preset(r: dict) -> str:
-    """The preset, with the weights' dtype where the record names one ("bench (fp8)")."""
+    """The preset, with the weights' dtype where the record names one and the pipeline split
+    where it ran staged ("bench (fp8)", "bench-xl, stages 0-11,12-23 on GPUs 0,1")."""
     weights = r["config"].get("weights", "")
-    return r["config"]["preset"] + (f" ({weights.split(',')[0]})" if weights.startswith("fp8") else "")
+    where = placement(r["config"])
+    return (r["config"]["preset"] + (f" ({weights.split(',')[0]})" if weights.startswith("fp8") else "")
+            + ("," + where if where else ""))
 
 
 def ops(path: str, r: dict) -> list[str]:

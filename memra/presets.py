@@ -1,6 +1,7 @@
 """Named config dicts: `mini` (the seed fixture, verbatim), `small` (the CPU-test model) and
-`bench` / `bench-dense` (GLM-5-Next's real per-layer widths in 12 layers, for the GPU benchmarks)
-and `full` (the released model's every size: planned, never written).
+`bench` / `bench-dense` (GLM-5-Next's real per-layer widths in 12 layers, for the GPU benchmarks),
+`bench-xl` (the same widths in 24 layers and 128 experts: more than one GPU holds in bf16) and
+`full` (the released model's every size: planned, never written).
 Each preset after `mini` is the one before it plus the keys that differ, so a difference reads
 as one line (and every dict keeps the seed's key order).
 
@@ -155,7 +156,21 @@ _BENCH = _derive(
 # block stays MoE, as in every checkpoint).
 _BENCH_DENSE = _derive(_BENCH, mlp_layer_types=["dense"] * 12)
 
-# GLM-5-Next as released, for the memory plan only (never written as a fixture: ~150 GB of bf16).
+# Too large for one GPU in bf16 (155 GiB of weights against an H200's 141 GB; 82 GiB in FP8): the
+# bench trunk at 24 layers (the same schedule) with 128 routed experts, for the pipeline
+# benchmarks over 2-4 GPUs (docs/pipeline.md).
+_BENCH_XL = _derive(
+    _BENCH,
+    num_hidden_layers=24,
+    layer_types=["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(24)],
+    mlp_layer_types=["dense"] + ["sparse"] * 23,
+    indexer_types=["full"] * 24,
+    linear_attn_config=_derive(_BENCH["linear_attn_config"], kda_layers=[i for i in range(24) if i % 4 != 3],
+                               full_attn_layers=[i for i in range(24) if i % 4 == 3]),
+    n_routed_experts=128,
+)
+
+# GLM-5-Next as released, for the memory plan only (never written as a fixture: ~600 GiB of bf16).
 # Widths, 45 layers, DSA at i % 4 == 3 (11 layers, every one with an indexer), 288 experts top-8,
 # index_kpool 4: research/glm5_checkpoint.md section 0 ("Real model") and section 1. Three dense
 # layers (HF's default first min(3, L)): the only count that gives the FP8 release's 37,338 scales
@@ -175,7 +190,8 @@ _FULL = _derive(
     n_routed_experts=288,
 )
 
-_PRESETS = {"mini": _MINI, "small": _SMALL, "bench": _BENCH, "bench-dense": _BENCH_DENSE, "full": _FULL}
+_PRESETS = {"mini": _MINI, "small": _SMALL, "bench": _BENCH, "bench-dense": _BENCH_DENSE, "bench-xl": _BENCH_XL,
+            "full": _FULL}
 
 
 def preset(name: str) -> dict:

@@ -1,5 +1,6 @@
-"""The named presets: `mini` is the seed fixture verbatim, `small` has every layer kind, `bench` and
-`bench-dense` carry GLM-5-Next's real widths; each derived preset shares nothing with its base."""
+"""The named presets: `mini` is the seed fixture verbatim, `small` has every layer kind, `bench`,
+`bench-dense` and `bench-xl` carry GLM-5-Next's real widths; each derived preset shares nothing
+with its base."""
 
 from __future__ import annotations
 
@@ -65,6 +66,21 @@ def test_bench_presets_have_the_real_widths_in_twelve_layers(name):
     assert cfg.max_position_embeddings >= 4096 + 512  # the longest benchmark prompt, then decode
     ffn = ["dense"] * 12 if name == "bench-dense" else ["dense"] + ["sparse"] * 11
     assert list(cfg.mlp_layer_types) == ffn
+
+
+def test_bench_xl_is_the_bench_trunk_doubled_with_twice_the_experts_and_needs_two_h200s_in_bf16():
+    from memra.memory_plan import plan_for_config
+
+    bench, xl = (ModelConfig.from_dict(preset(n)) for n in ("bench", "bench-xl"))
+    same = ("hidden_size", "vocab_size", "linear_num_heads", "num_attention_heads", "kv_lora_rank",
+            "moe_intermediate_size", "num_experts_per_tok", "index_kpool", "intermediate_size")
+    assert {k: getattr(xl, k) for k in same} == {k: getattr(bench, k) for k in same}
+    assert xl.num_hidden_layers == 24 and xl.n_routed_experts == 128
+    assert xl.dsa_layers == tuple(i for i in range(24) if i % 4 == 3) and set(xl.indexer_types) == {"full"}
+    assert list(xl.mlp_layer_types) == ["dense"] + ["sparse"] * 23
+    h200 = 140 * 2 ** 30  # what one H200 offers a process
+    needed = {dtype: plan_for_config(xl, dtype, max_ctx=8192, free=h200).devices_needed() for dtype in ("bf16", "fp8")}
+    assert needed == {"bf16": 2, "fp8": 1}
 
 
 def test_preset_returns_a_fresh_copy_each_call():

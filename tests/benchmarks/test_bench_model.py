@@ -136,3 +136,24 @@ def test_bench_verify_prints_one_json_line_of_positive_numbers(capsys):
                    for n in w["distinct_experts_per_moe_layer"])
     by_t = [w["weight_bytes"] for w in record["verify"].values()]
     assert by_t == sorted(by_t)
+
+
+def test_a_staged_benchmark_model_is_the_split_placement_with_the_one_stage_bits():
+    """--gpus / --stage-layers build the model as load_model would (balanced by weight bytes),
+    and its walks give the one-stage logits bit for bit; the byte accounting sees every layer."""
+    one = build_model("small", "numpy")
+    staged = build_model("small", "numpy", stages=2)
+    by_hand = build_model("small", "numpy", stage_layers="0-1,2-5")
+    assert staged.placement.describe() == "0-3,4-5" and by_hand.placement.describe() == "0-1,2-5"
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    logits = [m.prime(prompt, m.new_cache(16)) for m in (one, staged, by_hand)]
+    assert all(np.array_equal(logits[0], other) for other in logits[1:])
+    experts = [SMALL.num_experts_per_tok] * moe_layer_count(one)
+    assert weight_bytes(staged, experts, rows=1) == weight_bytes(one, experts, rows=1)
+
+
+def test_bench_decode_records_the_split_it_ran(capsys):
+    record = _record(capsys, bench_decode.main, [*COMMON, "--prompt-lens", "8", "--gpus", "2"])
+    assert record["config"]["stage_layers"] == "0-3,4-5" and record["config"]["stage_devices"] == [None, None]
+    assert "stage_layers" not in _record(capsys, bench_decode.main, [*COMMON, "--prompt-lens", "8"])["config"]
+    _positive(record["decode"], "ms_per_step", "weight_bytes_per_step")

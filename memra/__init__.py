@@ -19,8 +19,8 @@ from memra.errors import MemraError
 from memra.generate import GenerateResult, generate
 from memra.speculative.sampling import SamplingParams
 
-__all__ = ["load_config", "load_model", "generate", "GenerateResult", "SamplingParams", "preset", "ModelConfig", "MemraError",
-           "errors", "hookimpl"]
+__all__ = ["load_config", "load_model", "load_ranked", "generate", "GenerateResult", "SamplingParams", "preset",
+           "ModelConfig", "MemraError", "errors", "hookimpl"]
 
 
 def load_model(path: str | os.PathLike, backend: str = "auto", stages: int = 1, stage_layers=None,
@@ -51,3 +51,31 @@ def load_model(path: str | os.PathLike, backend: str = "auto", stages: int = 1, 
     from memra.model.pipeline import StagedGlm5Model
 
     return StagedGlm5Model(cfg, weights, be, plan, devices)
+
+
+def load_ranked(path: str | os.PathLike, backend: str = "cuda", environ=None):
+    """This process's rank of a model split over processes, one GPU each, as a launcher started
+    them (torchrun or SLURM: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): rank r
+    holds stage r of WORLD_SIZE stages balanced by weight bytes, on GPU LOCAL_RANK, and the ranks
+    exchange boundaries and commands over NCCL (cupyx.distributed). The last rank drives: run
+    generate() there and close() at the end; every other rank calls serve() (docs/pipeline.md).
+    Each rank reads the whole checkpoint into host memory and keeps its own stage's tensors."""
+    from memra.backend import get_backend
+    from memra.checkpoint import load_checkpoint
+    from memra.memory_plan import balanced_split, checkpoint_weight_bytes
+    from memra.model.ranks import NcclComm, RankedGlm5Model, launcher_env
+    from memra.model.stages import plan_stages
+
+    env = launcher_env(environ)
+    be = get_backend(backend)
+    cuda = getattr(be.xp, "cuda", None)
+    if cuda is None:
+        raise errors.InputError("load_ranked carries the stage boundaries over NCCL and needs backend='cuda'; on "
+                                "numpy the stages run in one process: load_model(path, stages=N)")
+    cfg = load_config(path)
+    plan = plan_stages(cfg.num_hidden_layers, env["world"], None,
+                       lambda n: balanced_split(checkpoint_weight_bytes(path, cfg), n))
+    cuda.Device(env["local"]).use()
+    comm = NcclComm(env["rank"], env["world"], env["host"], env["port"])
+    return RankedGlm5Model(cfg, load_checkpoint(path, cfg, keep_bf16=True), be, plan, env["rank"], comm,
+                           device=env["local"])

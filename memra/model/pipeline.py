@@ -106,26 +106,30 @@ class StagedGlm5Model(Glm5Model):
 
     # ---- the staged walk ---------------------------------------------------------------------
     def _run_walk(self, tokens, cache, stashing: bool, tap_layers: tuple, replay: bool):
-        """Stage by stage: stage s replays its own walk shape (key as the unsplit walk's) on the
-        boundary it received, and sends the next one on. Returns what the unsplit walk returns."""
-        last, pos0 = self.placement.count - 1, cache.pos
-        key = (int(tokens.size), stashing, tap_layers) if replay else None
+        """Stage by stage (each replays its own walk shape, keyed as the unsplit walk's) ->
+        what the unsplit walk returns."""
         kda: dict = {}
-        received = Boundary(None)
-        for s in range(last + 1):
-            with self.lanes.scope(s):
-                if s:
-                    received = self.transport.recv(s)
-                arrays = () if s == 0 else (received.streams, *(received.selections[i] for i in self.selections_in[s]))
-                walk = lambda tok, at, *inputs, s=s: self._stage_walk(s, tok, at, inputs, cache, stashing, tap_layers)
-                out, stash, tapped, selected = cache.walks.stages[s].run(key, walk, tokens, pos0, *arrays)
-                kda.update(stash or {})
-                taps = {**received.taps, **tapped}
-                if s < last:
-                    ahead = {**received.selections, **selected}
-                    self.transport.send(s, Boundary(out, taps, {i: ahead[i] for i in self.selections_out[s]}))
+        for s in range(self.placement.count):
+            out, stash, taps = self._stage_turn(s, tokens, cache, stashing, tap_layers, replay)
+            kda.update(stash or {})
         logits, collapsed = out
         return logits, collapsed, (kda if stashing else None), taps
+
+    def _stage_turn(self, s: int, tokens, cache, stashing: bool, tap_layers: tuple, replay: bool):
+        """Stage s's turn of a walk, in its lane: receive the boundary (s > 0), walk its layers,
+        send its own boundary on (s < last) -> (its output, its KDA stash, the taps so far)."""
+        last, pos0 = self.placement.count - 1, cache.pos
+        key = (int(tokens.size), stashing, tap_layers) if replay else None
+        with self.lanes.scope(s):
+            received = self.transport.recv(s) if s else Boundary(None)
+            arrays = () if s == 0 else (received.streams, *(received.selections[i] for i in self.selections_in[s]))
+            walk = lambda tok, at, *inputs: self._stage_walk(s, tok, at, inputs, cache, stashing, tap_layers)
+            out, stash, tapped, selected = cache.walks.stages[s].run(key, walk, tokens, pos0, *arrays)
+            taps = {**received.taps, **tapped}
+            if s < last:
+                ahead = {**received.selections, **selected}
+                self.transport.send(s, Boundary(out, taps, {i: ahead[i] for i in self.selections_out[s]}))
+        return out, stash, taps
 
     def _stage_walk(self, s: int, tokens, at, inputs: tuple, cache, stashing: bool, tap_layers: tuple):
         """Stage s's device work -> (streams, or (logits, collapsed) on the last stage; its KDA

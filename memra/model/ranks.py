@@ -1,0 +1,290 @@
+"""The trunk's stages in separate processes: rank r holds and runs stage r, the last rank drives.
+
+One process per GPU, started by a standard launcher (torchrun or SLURM set RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Every rank builds the same StagePlan (one stage per rank)
+and holds only its own stage's weights and planes; the last rank also holds the head, the MTP
+block and the embedding copy, so the user's program (generate, sessions, draft sources) runs
+there, on a RankedGlm5Model that is a StagedGlm5Model in every contract. The other ranks follow:
+
+    model = load_ranked(path, backend="cuda")          # reads the launcher's environment
+    if model.driver:
+        generate(model, prompt, 64, draft="native-mtp")
+        model.close()                                  # the followers' serve() returns
+    else:
+        model.serve()
+
+Each operation that touches trunk planes (a new cache, a walk, the KDA snapshot buffers, a
+rollback, a rewind) is a seam of the staged model. On the driver the seam first broadcasts a
+command (kind, cache id, pos0 or keep or max_ctx, flags; then the walk's token ids and tap layers);
+every follower runs the same seam on its own stage. So all ranks' caches move together, and a
+walk's boundaries meet: rank r receives stage r-1's boundary, walks its layers, sends its own on.
+A rollback or rewind moves no tensor: each rank restores its planes from its own snapshot of the
+cache's last verify walk. Caches the driver drops are freed on the followers with its next command.
+
+The comm is NCCL through cupyx.distributed on GPUs (NcclComm) or threads in one process
+(ThreadComm: the numpy backend, how CI runs the gate). Both carry int64 command words, then each
+boundary array after a header naming its part, layer, dtype and shape, in a fixed order: streams,
+taps by ascending layer, selections by ascending layer. The bits cannot move: every rank runs the
+unsplit walk's ops on an exact copy of the boundary.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import weakref
+
+import numpy as np
+
+from memra.errors import InputError
+from memra.model.mtp import MtpBlock
+from memra.model.pipeline import StagedGlm5Model, StageWalks, _selection_routes
+from memra.model.stages import StagePlan
+from memra.model.transport import Boundary, lanes_for
+from memra.model.trunk import Glm5Model, TrunkLayer, VerifyCkpt
+
+NEW, SNAPSHOTS, WALK, ROLLBACK, REWIND, STOP = range(6)
+COMMAND_WORDS = 8  # kind, cache id, a, b, c, token count, tap count, freed cache count
+DTYPES = (np.float32, np.int32, np.int64)  # a boundary array's dtype, by its code
+PARTS = ("streams", "taps", "selections")
+
+
+class ThreadComm:
+    """Ranks as threads of one process (the numpy backend): point-to-point queues and one
+    broadcast queue per rank; arrays travel as copies, so no rank sees another's buffers. A
+    receive that waits `timeout` seconds raises instead of hanging (a rank that died)."""
+
+    def __init__(self, hub: dict, rank: int, world: int, timeout: float):
+        self.rank, self.world, self.hub, self.timeout = rank, world, hub, timeout
+
+    @classmethod
+    def group(cls, world: int, timeout: float = 120.0) -> list["ThreadComm"]:
+        hub = {"p2p": {(a, b): queue.Queue() for a in range(world) for b in range(world) if a != b},
+               "bcast": [queue.Queue() for _ in range(world)]}
+        return [cls(hub, r, world, timeout) for r in range(world)]
+
+    def _get(self, q, peer: int):
+        try:
+            return q.get(timeout=self.timeout)
+        except queue.Empty:
+            raise InputError(f"rank {self.rank} waited {self.timeout:.0f} s for rank {peer}: that rank stopped "
+                             "(see its own error)") from None
+
+    def send(self, a, peer: int) -> None:
+        self.hub["p2p"][(self.rank, peer)].put(np.array(a, copy=True))
+
+    def recv(self, out, peer: int) -> None:
+        out[...] = self._get(self.hub["p2p"][(peer, self.rank)], peer)
+
+    def broadcast(self, buf, root: int) -> None:
+        if self.rank == root:
+            for r in range(self.world):
+                if r != root:
+                    self.hub["bcast"][r].put(np.array(buf, copy=True))
+        else:
+            buf[...] = self._get(self.hub["bcast"][self.rank], root)
+
+
+class NcclComm:
+    """One GPU per process through cupyx.distributed's NCCL backend; every call runs on the
+    current stream (the stage's), ordered with the walk's kernels."""
+
+    def __init__(self, rank: int, world: int, host: str, port: int):
+        import cupyx.distributed
+
+        self.rank, self.world = rank, world
+        self.nccl = cupyx.distributed.init_process_group(world, rank, backend="nccl", host=host, port=port)
+
+    def _stream(self):
+        import cupy
+
+        return cupy.cuda.get_current_stream()
+
+    def send(self, a, peer: int) -> None:
+        self.nccl.send(a, peer, self._stream())
+
+    def recv(self, out, peer: int) -> None:
+        self.nccl.recv(out, peer, self._stream())
+
+    def broadcast(self, buf, root: int) -> None:
+        self.nccl.broadcast(buf, root, self._stream())
+
+
+class RankTransport:
+    """Stage s's boundary to rank s + 1: a header of int64 words (count; then per array its
+    part, layer, dtype code, ndim and shape), then the arrays, in the fixed order."""
+
+    def __init__(self, comm, be, num_layers: int):
+        self.comm, self.be = comm, be
+        self.words = 1 + 7 * (1 + 2 * num_layers)  # streams, then at most a tap and a selection a layer
+
+    def send(self, stage: int, b: Boundary) -> None:
+        arrays = [(0, -1, b.streams)] + [(1, i, b.taps[i]) for i in sorted(b.taps)] \
+            + [(2, i, b.selections[i]) for i in sorted(b.selections)]
+        header = np.zeros(self.words, np.int64)
+        header[0] = len(arrays)
+        for j, (part, layer, a) in enumerate(arrays):
+            code = [np.dtype(d) for d in DTYPES].index(np.dtype(a.dtype))
+            header[1 + 7 * j:1 + 7 * j + 4 + a.ndim] = [part, layer, code, a.ndim, *a.shape]
+        self.comm.send(self.be.asarray(header, dtype=np.int64), stage + 1)
+        for _, _, a in arrays:
+            self.comm.send(self.be.contiguous(a), stage + 1)
+
+    def recv(self, stage: int) -> Boundary:
+        buf = self.be.zeros(self.words, dtype=np.int64)
+        self.comm.recv(buf, stage - 1)
+        header = np.asarray(self.be.to_host(buf))
+        got = Boundary(None)
+        for j in range(int(header[0])):
+            part, layer, code, ndim = (int(v) for v in header[1 + 7 * j:5 + 7 * j])
+            out = self.be.zeros(tuple(int(d) for d in header[5 + 7 * j:5 + 7 * j + ndim]), dtype=DTYPES[code])
+            self.comm.recv(out, stage - 1)
+            if part == 0:
+                got.streams = out
+            else:
+                getattr(got, PARTS[part])[layer] = out
+        return got
+
+
+class RankedGlm5Model(StagedGlm5Model):
+    """Stage `rank` of `plan` in this process; the last rank drives (module docstring)."""
+
+    def __init__(self, cfg, weights: dict, backend, plan: StagePlan, rank: int, comm, device: int | None = None):
+        if plan.num_layers != cfg.num_hidden_layers:
+            raise InputError(f"the stage plan covers {plan.num_layers} layers but the model has "
+                             f"{cfg.num_hidden_layers}; plan the stages for this config")
+        if not 0 <= rank < plan.count or comm.world != plan.count:
+            raise InputError(f"rank {rank} of {comm.world} processes for {plan.count} stages: run one process "
+                             "per stage (WORLD_SIZE = the stage count)")
+        self.cfg, self.be, self.placement, self.rank, self.comm = cfg, backend, plan, rank, comm
+        last = plan.count - 1
+        self.driver = rank == last
+        self.lanes = lanes_for(backend, (0 if device is None else device,) * plan.count)
+        self.transport = RankTransport(comm, backend, cfg.num_hidden_layers)
+        with self.lanes.scope(rank):
+            self.first_embed = backend.weight(weights["embed_tokens.weight"]) if rank == 0 else None
+            mine = [TrunkLayer(backend, weights, cfg, i) for i in plan.layers(rank)]
+        self.stage_layers = [mine if s == rank else [] for s in range(plan.count)]
+        self.layers = mine
+        self.embed_table = self.lm_head = self.final_norm = self.mtp = None
+        if self.driver:
+            with self.lanes.scope(rank):
+                self.embed_table = self.first_embed if rank == 0 else backend.weight(weights["embed_tokens.weight"])
+                head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+                self.lm_head = backend.matrix(weights[head])
+                self.final_norm = backend.weight(weights["norm.weight"])
+                self.mtp = MtpBlock(backend, weights, cfg, self.embed_table, self.lm_head) if cfg.has_mtp else None
+        self.lanes.make_current(rank)
+        self.selections_in, self.selections_out = _selection_routes(cfg, plan)
+        self.caches: dict = {}    # follower: the driver's cache id -> this rank's cache
+        self.next_cache = 0       # driver: the id of its next cache
+        self.freed: list = []     # driver: ids of dropped caches, freed with the next command
+        self.walked = 0           # walks this rank ran its stage of (non-vacuity for tests)
+
+    # ---- the driver's commands ---------------------------------------------------------------
+    def _command(self, kind: int, cache=None, a: int = 0, b: int = 0, c: int = 0, tokens=(), taps=()) -> None:
+        """Broadcast one command (the driver only; a follower runs its seams as told)."""
+        if not self.driver:
+            return
+        freed = list(self.freed)
+        self.freed.clear()  # the same list: the caches' finalizers append to it
+        words = [kind, -1 if cache is None else cache.rank_id, a, b, c, len(tokens), len(taps), len(freed)]
+        self.comm.broadcast(self.be.asarray(np.asarray(words, np.int64), dtype=np.int64), self.rank)
+        payload = np.concatenate([np.asarray(tokens, np.int64), np.asarray(taps, np.int64),
+                                  np.asarray(freed, np.int64)])
+        if payload.size:
+            self.comm.broadcast(self.be.asarray(payload, dtype=np.int64), self.rank)
+
+    def close(self) -> None:
+        """Release the followers (their serve() returns); the driver's last call."""
+        self._command(STOP)
+
+    # ---- seams of the staged model ------------------------------------------------------------
+    def new_cache(self, max_ctx: int):
+        cache = super().new_cache(max_ctx)  # its planes broadcast NEW with the id it gets here
+        if self.driver:
+            cache.rank_id, self.next_cache = self.next_cache, self.next_cache + 1
+            weakref.finalize(cache, self.freed.append, cache.rank_id)
+        return cache
+
+    def _new_walks(self):
+        return StageWalks(self.be.walks() for _ in range(self.placement.count))
+
+    def _new_planes(self, cache, layers) -> None:
+        self._command(NEW, None, a=cache.max_ctx, b=self.next_cache)
+        super()._new_planes(cache, layers)
+
+    def _new_snapshots(self, layers, cache) -> None:
+        self._command(SNAPSHOTS, cache)
+        super()._new_snapshots(layers, cache)
+
+    def _rollback_layers(self, layers, cache, ckpt, keep: int) -> None:
+        self._command(ROLLBACK, cache, a=keep)
+        super()._rollback_layers(layers, cache, ckpt, keep)
+
+    def _rewind_layers(self, layers, cache, ckpt) -> None:
+        self._command(REWIND, cache)
+        super()._rewind_layers(layers, cache, ckpt)
+
+    def _run_walk(self, tokens, cache, stashing: bool, tap_layers: tuple, replay: bool):
+        """This rank's turn of the walk (the stages before it and after it run on their ranks)."""
+        self._command(WALK, cache, a=cache.pos, b=int(stashing), c=int(replay), tokens=tokens, taps=tap_layers)
+        out, stash, taps = self._stage_turn(self.rank, tokens, cache, stashing, tap_layers, replay)
+        self.walked += 1
+        logits, collapsed = out if self.driver else (None, None)
+        return logits, collapsed, (stash or {}) if stashing else None, taps
+
+    # ---- a follower ------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Run the driver's commands on this rank's stage until it closes."""
+        if self.driver:
+            raise InputError("serve() runs on the ranks before the last; the last rank drives the model")
+        root = self.placement.count - 1
+        while True:
+            words = self.be.zeros(COMMAND_WORDS, dtype=np.int64)
+            self.comm.broadcast(words, root)
+            kind, cid, a, b, c, n_tokens, n_taps, n_freed = (int(v) for v in self.be.to_host(words))
+            payload = np.zeros(0, np.int64)
+            if n_tokens + n_taps + n_freed:
+                buf = self.be.zeros(n_tokens + n_taps + n_freed, dtype=np.int64)
+                self.comm.broadcast(buf, root)
+                payload = np.asarray(self.be.to_host(buf))
+            for gone in payload[n_tokens + n_taps:]:
+                self.caches.pop(int(gone), None)
+            if kind == STOP:
+                return
+            self._follow(kind, cid, a, b, c, payload[:n_tokens], tuple(int(t) for t in payload[n_tokens:n_tokens + n_taps]))
+
+    def _follow(self, kind: int, cid: int, a: int, b: int, c: int, tokens, taps: tuple) -> None:
+        if kind == NEW:
+            self.caches[b] = Glm5Model.new_cache(self, a)
+            return
+        cache = self.caches[cid]
+        if kind == SNAPSHOTS:
+            super()._new_snapshots(self.layers, cache)
+        elif kind == WALK:
+            cache.pos = a
+            stash = {} if b else None
+            if b:  # what this rank's rollback and rewind of the walk need: its own planes' lengths
+                cache.last_ckpt = VerifyCkpt(cache=cache, pos=a, rows=len(tokens), kda=stash, taps={},
+                                             latent_len={i: plane.length for i, plane in cache.mla.items()})
+            self.forward_rows(tokens, cache, stash=stash, taps={t: None for t in taps} or None, replay=bool(c))
+        elif kind == ROLLBACK:
+            ckpt = cache.last_ckpt
+            super()._rollback_layers(self.layers, cache, ckpt, a)
+            cache.pos = ckpt.pos + a
+        elif kind == REWIND:
+            ckpt = cache.last_ckpt
+            super()._rewind_layers(self.layers, cache, ckpt)
+            cache.pos = ckpt.pos
+
+
+def launcher_env(environ=None) -> dict:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT as torchrun and SLURM set them."""
+    env = os.environ if environ is None else environ
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise InputError(f"a ranked run needs the launcher's {missing}: start one process per GPU with torchrun "
+                         "(or srun), which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT")
+    return {"rank": int(env["RANK"]), "world": int(env["WORLD_SIZE"]), "local": int(env.get("LOCAL_RANK", 0)),
+            "host": env["MASTER_ADDR"], "port": int(env["MASTER_PORT"])}

@@ -59,11 +59,11 @@ def load_ranked(path: str | os.PathLike, backend: str = "cuda", environ=None):
     holds stage r of WORLD_SIZE stages balanced by weight bytes, on GPU LOCAL_RANK, and the ranks
     exchange boundaries and commands over NCCL (cupyx.distributed). The last rank drives: run
     generate() there and close() at the end; every other rank calls serve() (docs/pipeline.md).
-    Each rank reads the whole checkpoint into host memory and keeps its own stage's tensors."""
+    Each rank reads only its own stage's tensors (memra.model.ranks.stage_tensors)."""
     from memra.backend import get_backend
     from memra.checkpoint import load_checkpoint
     from memra.memory_plan import balanced_split, checkpoint_weight_bytes
-    from memra.model.ranks import NcclComm, RankedGlm5Model, launcher_env
+    from memra.model.ranks import NcclComm, RankedGlm5Model, launcher_env, stage_tensors
     from memra.model.stages import plan_stages
 
     env = launcher_env(environ)
@@ -75,7 +75,7 @@ def load_ranked(path: str | os.PathLike, backend: str = "cuda", environ=None):
     cfg = load_config(path)
     plan = plan_stages(cfg.num_hidden_layers, env["world"], None,
                        lambda n: balanced_split(checkpoint_weight_bytes(path, cfg), n))
+    weights = load_checkpoint(path, cfg, keep_bf16=True, only=stage_tensors(cfg, plan, env["rank"]))
     cuda.Device(env["local"]).use()
     comm = NcclComm(env["rank"], env["world"], env["host"], env["port"])
-    return RankedGlm5Model(cfg, load_checkpoint(path, cfg, keep_bf16=True), be, plan, env["rank"], comm,
-                           device=env["local"])
+    return RankedGlm5Model(cfg, weights, be, plan, env["rank"], comm, device=env["local"])

@@ -335,15 +335,19 @@ def _file_tensors(file: str, header, kept: dict, keep_bf16: bool, census: _Censu
         yield raw, name, entry.shape, _widen(arr, entry.dtype, keep_bf16)
 
 
-def _collect(path: str, cfg: ModelConfig, keep_bf16: bool, census: _Census):
-    """Canonical name -> (shape, array or None for an unsupported dtype), fused tensors split.
-    Declared sizes are checked against the headers and the host's memory before any tensor is read."""
+def _collect(path: str, cfg: ModelConfig, keep_bf16: bool, census: _Census, only=None):
+    """Canonical name -> (shape, array or None for an unsupported dtype), fused tensors split;
+    with `only`, the tensors whose canonical names it accepts. Declared sizes are checked against
+    the headers and the host's memory (for what is read) before any tensor is read."""
     files = _headers(path, cfg)
     entries = [(raw, header.entries[raw]) for _, header, kept in files for raw in kept]
     _check_declared_count(path, cfg, entries)
-    if any(e.dtype.startswith("F8_") for _, e in entries):
+    if only is not None:
+        files = [(file, header, {raw: n for raw, n in kept.items() if only(n)}) for file, header, kept in files]
+    read = [header.entries[raw] for _, header, kept in files for raw in kept]
+    if any(e.dtype.startswith("F8_") for e in read):
         check_quantization_config(path)
-    check_weights_fit(weight_bytes(((e.dtype, e.shape) for _, e in entries), keep_bf16), path)
+    check_weights_fit(weight_bytes(((e.dtype, e.shape) for e in read), keep_bf16), path)
     got: dict[str, tuple[tuple[int, ...], np.ndarray | None]] = {}
     source: dict[str, str] = {}
     dtypes: dict[str, str] = {}  # canonical name -> stored dtype (FP8 pairing reads it)
@@ -366,21 +370,23 @@ def _collect(path: str, cfg: ModelConfig, keep_bf16: bool, census: _Census):
     return got
 
 
-def load_checkpoint(path, cfg: ModelConfig, keep_bf16: bool = False) -> dict[str, np.ndarray]:
+def load_checkpoint(path, cfg: ModelConfig, keep_bf16: bool = False, only=None) -> dict[str, np.ndarray]:
     """Load a checkpoint directory (single file or sharded) or one .safetensors file.
 
     Returns canonical bare name -> float32 array (BF16/F16 widened); with keep_bf16 BF16 tensors
     stay raw uint16 bits; an FP8 tensor comes back as a memra.backend.fp8.Fp8Block (e4m3 bytes and
     their block scales), whatever keep_bf16 says. Raises one CheckpointError naming every contract offender (NaN/inf
     weights included), or one naming a declared size the files or the host memory cannot hold.
+    `only(name) -> bool` reads just the tensors whose canonical names it accepts (a pipeline
+    rank's own stage, memra.model.ranks.stage_tensors); the contract is then checked for those.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"checkpoint path must be a str or os.PathLike, got {type(path).__name__}: "
                          "pass the checkpoint directory")
     path = os.fspath(path)
     census = _Census()
-    got = _collect(path, cfg, keep_bf16, census)
-    expected = expected_tensors(cfg)
+    got = _collect(path, cfg, keep_bf16, census, only)
+    expected = {name: shape for name, shape in expected_tensors(cfg).items() if only is None or only(name)}
     for name, shape in expected.items():
         if name not in got:
             census.add("missing", f"{name} {list(shape)}")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import weakref
 
 import numpy as np
@@ -277,6 +278,23 @@ class RankedGlm5Model(StagedGlm5Model):
             ckpt = cache.last_ckpt
             super()._rewind_layers(self.layers, cache, ckpt)
             cache.pos = ckpt.pos
+
+
+def stage_tensors(cfg, plan: StagePlan, rank: int):
+    """The canonical tensor names rank `rank` holds (load_checkpoint's `only`): its layers'; the
+    embedding on the first rank; the final norm, lm head, MTP block and embedding on the last."""
+    last = plan.count - 1
+    mine = set(plan.layers(rank)) | ({cfg.num_hidden_layers} if rank == last else set())
+
+    def keep(name: str) -> bool:
+        layer = re.match(r"layers\.(\d+)\.", name)
+        if layer is not None:
+            return int(layer.group(1)) in mine
+        if name.startswith("embed_tokens."):
+            return rank in (0, last)
+        return rank == last  # norm, lm_head
+
+    return keep
 
 
 def launcher_env(environ=None) -> dict:

@@ -22,7 +22,7 @@ from memra.backend.numpy_ref import NumpyBackend
 from memra.checkpoint import load_checkpoint
 from memra.drafters.dflash2 import write_fixture_drafter
 from memra.generate import generate
-from memra.model.ranks import RankedGlm5Model, ThreadComm, launcher_env
+from memra.model.ranks import RankedGlm5Model, ThreadComm, launcher_env, stage_tensors
 from memra.model.stages import plan_stages
 from memra.errors import InputError
 from memra.presets import preset
@@ -35,11 +35,13 @@ class Ranks:
 
     def __init__(self, ckpt_dir, split: str, follower=RankedGlm5Model, timeout: float = 60.0):
         cfg = memra.load_config(ckpt_dir)
-        weights = load_checkpoint(ckpt_dir, cfg, keep_bf16=True)
         plan = plan_stages(cfg.num_hidden_layers, stage_layers=split)
         comms = ThreadComm.group(plan.count, timeout=timeout)
         last = plan.count - 1
-        self.models = [(RankedGlm5Model if r == last else follower)(cfg, weights, NumpyBackend(), plan, r, comms[r])
+        # each rank reads only its own stage's tensors, as load_ranked does
+        weights = [load_checkpoint(ckpt_dir, cfg, keep_bf16=True, only=stage_tensors(cfg, plan, r))
+                   for r in range(plan.count)]
+        self.models = [(RankedGlm5Model if r == last else follower)(cfg, weights[r], NumpyBackend(), plan, r, comms[r])
                        for r in range(plan.count)]
         self.driver, self.errors = self.models[-1], []
         self.threads = [threading.Thread(target=self._serve, args=(m,), daemon=True) for m in self.models[:-1]]
@@ -118,6 +120,21 @@ def test_caches_the_driver_drops_are_freed_on_the_followers(ranks, prompt):
     gc.collect()
     primed(ranks.driver, prompt)
     assert all(cid not in m.caches for m in ranks.models[:-1])
+
+
+def test_each_rank_reads_only_its_stages_tensors_and_together_they_read_the_checkpoint(ckpt_dir):
+    cfg = memra.load_config(ckpt_dir)
+    full = load_checkpoint(ckpt_dir, cfg, keep_bf16=True)
+    for split in SPLITS.values():
+        plan = plan_stages(cfg.num_hidden_layers, stage_layers=split)
+        parts = [load_checkpoint(ckpt_dir, cfg, keep_bf16=True, only=stage_tensors(cfg, plan, r))
+                 for r in range(plan.count)]
+        assert set().union(*parts) == set(full)
+        shared = set(parts[0]) & set(parts[-1])
+        assert shared == {"embed_tokens.weight"}  # the first rank embeds; the last embeds drafts
+        assert all(np.array_equal(part[name], full[name]) for part in parts for name in part)
+        mtp = f"layers.{cfg.num_hidden_layers}."
+        assert any(name.startswith(mtp) for name in parts[-1]) and "lm_head.weight" in parts[-1]
 
 
 # ---- W0 / W1 / A --------------------------------------------------------------------------------

@@ -51,6 +51,8 @@ CASES = [
     (["--max-ctx", "30"], "raise --max-ctx to at least 42"),
     (["--max-ctx", "5000"], "--max-ctx 5000 is past the model's max_position_embeddings (4096)"),
     (["--prompt-file", "/no/such/file"], "--prompt-file /no/such/file: cannot read it"),
+    (["--ranks", "--gpus", "2"], "--ranks runs one stage per process"),
+    (["--ranks", "--backend", "numpy"], "start one process per GPU with torchrun"),  # no launcher here
     (["--backend", "cuda"], None),  # refused on a machine without a GPU (skipped where one is usable)
 ]
 

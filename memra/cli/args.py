@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"),
                      help="compute backend (default auto: cuda when usable, else numpy)")
     add_placement_flags(src)
+    src.add_argument("--ranks", action="store_true",
+                     help="this process is one rank of a launcher-started group (torchrun, srun: RANK, "
+                          "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): rank r runs stage r on GPU "
+                          "LOCAL_RANK over NCCL, the last rank generates and prints")
     src.add_argument("--max-ctx", type=number_arg(int, "--max-ctx", lo=2, why="must be an integer >= 2"),
                      metavar="N", help="context cap, prompt + generated tokens (default: the model's "
                      "max_position_embeddings)")
@@ -137,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv):
     args = build_parser().parse_args(argv)
+    if args.ranks and (args.gpus or args.stage_layers):
+        raise UsageError("--ranks runs one stage per process (WORLD_SIZE stages, balanced by weight bytes): "
+                         "drop --gpus / --stage-layers")
     if args.eos and args.ignore_eos:
         raise UsageError("--eos and --ignore-eos contradict each other: give one")
     if (args.preset or args.weights_dtype) and not args.plan:

@@ -93,16 +93,38 @@ class Job:
     free_before: int | None = None   # the backend's free bytes before the model loaded (the memory plan's budget)
 
 
-def _prepare(args, err) -> Job:
-    from memra import load_model
+def _prepare(args, err) -> Job | None:
+    """The checked request; None on a rank that only follows (it has served the driver)."""
+    from memra import load_model, load_ranked
     from memra.backend import get_backend
-    from memra.tokenizer import load_tokenizer
 
     source = inputs.model_source(args, err)
     free_before = free_bytes(get_backend(args.backend))
     t0 = time.perf_counter()
-    model = load_model(source.path, backend=args.backend, stages=args.gpus or 1, stage_layers=args.stage_layers)
+    if args.ranks:
+        model = load_ranked(source.path, backend=args.backend)
+        if not model.driver:
+            model.serve()
+            return None
+    else:
+        model = load_model(source.path, backend=args.backend, stages=args.gpus or 1, stage_layers=args.stage_layers)
     load_s = time.perf_counter() - t0
+    try:
+        return _request(args, err, source, model, load_s, free_before)
+    except BaseException:
+        _release(model)  # a refusal on the driving rank releases the others too
+        raise
+
+
+def _release(model) -> None:
+    """The last call on a model that drives ranks (memra.model.ranks): the other ranks stop."""
+    if getattr(model, "driver", False):
+        model.close()
+
+
+def _request(args, err, source, model, load_s: float, free_before) -> Job:
+    from memra.tokenizer import load_tokenizer
+
     cfg = model.cfg
     tokenizer = load_tokenizer(source.path, cfg.vocab_size)
     prompt = inputs.prompt_ids(args, source, tokenizer)
@@ -121,9 +143,18 @@ def _prepare(args, err) -> Job:
 
 
 def _run(args, out, err, held: dict) -> int:
+    job = _prepare(args, err)
+    if job is None:
+        return 0
+    try:
+        return _generate(args, out, err, held, job)
+    finally:
+        _release(job.model)
+
+
+def _generate(args, out, err, held: dict, job: Job) -> int:
     from memra.generate import generate
 
-    job = _prepare(args, err)
     spec = {"draft": job.draft, "num_draft_tokens": job.k, "draft_options": job.options, "sampling": job.sampling}
     warmup_s = 0.0
     if job.model.be.compiles_on_first_use:  # build the kernels outside the timed run

@@ -68,13 +68,18 @@ class StagedGlm5Model(Glm5Model):
         self.layers = [layer for stage in self.stage_layers for layer in stage]
         with self.lanes.scope(last):
             same = self.lanes.devices[0] == self.lanes.devices[last]
-            self.embed_table = self.first_embed if same else be.weight(weights["embed_tokens.weight"])
-            head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-            self.lm_head = be.matrix(weights[head])
-            self.final_norm = be.weight(weights["norm.weight"])
-            self.mtp = MtpBlock(be, weights, cfg, self.embed_table, self.lm_head) if cfg.has_mtp else None
+            self._hold_the_head(weights, self.first_embed if same else None)
         self.lanes.make_current(last)
         self.selections_in, self.selections_out = _selection_routes(cfg, plan)
+
+    def _hold_the_head(self, weights: dict, embed) -> None:
+        """The last stage's parts, made in its lane: the embedding (`embed`, the first stage's
+        table when both share a device, else None: a copy), the final norm, the lm head, the MTP block."""
+        be, cfg = self.be, self.cfg
+        self.embed_table = be.weight(weights["embed_tokens.weight"]) if embed is None else embed
+        self.lm_head = be.matrix(weights["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
+        self.final_norm = be.weight(weights["norm.weight"])
+        self.mtp = MtpBlock(be, weights, cfg, self.embed_table, self.lm_head) if cfg.has_mtp else None
 
     def on_stage(self, stage: int):
         """A context in which work on stage `stage`'s planes runs where that stage runs (its

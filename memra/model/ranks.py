@@ -38,7 +38,6 @@ import weakref
 import numpy as np
 
 from memra.errors import InputError
-from memra.model.mtp import MtpBlock
 from memra.model.pipeline import StagedGlm5Model, StageWalks, _selection_routes
 from memra.model.stages import StagePlan
 from memra.model.transport import Boundary, lanes_for
@@ -170,11 +169,7 @@ class RankedGlm5Model(StagedGlm5Model):
         self.embed_table = self.lm_head = self.final_norm = self.mtp = None
         if self.driver:
             with self.lanes.scope(rank):
-                self.embed_table = self.first_embed if rank == 0 else backend.weight(weights["embed_tokens.weight"])
-                head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-                self.lm_head = backend.matrix(weights[head])
-                self.final_norm = backend.weight(weights["norm.weight"])
-                self.mtp = MtpBlock(backend, weights, cfg, self.embed_table, self.lm_head) if cfg.has_mtp else None
+                self._hold_the_head(weights, self.first_embed if rank == 0 else None)
         self.lanes.make_current(rank)
         self.selections_in, self.selections_out = _selection_routes(cfg, plan)
         self.caches: dict = {}    # follower: the driver's cache id -> this rank's cache

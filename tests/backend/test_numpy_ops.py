@@ -83,6 +83,10 @@ def _make_argmax(rng, t):
     return {"x": rng.integers(0, 5, (t, 64)).astype(F32)}, {}
 
 
+def _make_pick(rng, t):
+    return {"x": normal(rng, (t, 3, 129)), "idx": rng.integers(0, 129, (t, 3))}, {}
+
+
 def _make_kda_gate(rng, t):
     rows = {"f": normal(rng, (t, 2, 32), 2.0)}
     return rows, {"a_log": uniform(rng, (2,), 0.0, np.log(16.0)), "dt_bias": normal(rng, (2, 32), 0.5)}
@@ -175,6 +179,7 @@ ROW_CASES = [
     _case("softmax", _make_rows_only(x=(256, 3.0)), lambda be, r, s, _: be.softmax(r["x"])),
     _case("log_softmax", _make_rows_only(x=(256, 3.0)), lambda be, r, s, _: be.log_softmax(r["x"])),
     _case("argmax", _make_argmax, lambda be, r, s, _: be.argmax(r["x"])),
+    _case("pick", _make_pick, lambda be, r, s, _: be.pick(r["x"], r["idx"])),
     _case("kda_gate_lower_bound", _make_kda_gate,
           lambda be, r, s, _: be.kda_gate(r["f"], s["a_log"], s["dt_bias"], -5.0)),
     _case("kda_gate_softplus", _make_kda_gate,

@@ -20,6 +20,8 @@ every follower runs the same seam on its own stage. So all ranks' caches move to
 walk's boundaries meet: rank r receives stage r-1's boundary, walks its layers, sends its own on.
 A rollback or rewind moves no tensor: each rank restores its planes from its own snapshot of the
 cache's last verify walk. Caches the driver drops are freed on the followers with its next command.
+A follower that fails sends its report instead of a boundary, so the driver raises it (BackendError)
+instead of waiting forever.
 
 The comm is NCCL through cupyx.distributed on GPUs (NcclComm) or threads in one process
 (ThreadComm: the numpy backend, how CI runs the gate). Both carry int64 command words, then each
@@ -37,7 +39,7 @@ import weakref
 
 import numpy as np
 
-from memra.errors import InputError
+from memra.errors import BackendError, InputError
 from memra.model.pipeline import StagedGlm5Model, StageWalks, _selection_routes
 from memra.model.stages import StagePlan
 from memra.model.transport import Boundary, lanes_for
@@ -117,6 +119,17 @@ class RankTransport:
     def __init__(self, comm, be, num_layers: int):
         self.comm, self.be = comm, be
         self.words = 1 + 7 * (1 + 2 * num_layers)  # streams, then at most a tap and a selection a layer
+        self.received = 0  # boundaries (or failures) taken from the rank before
+
+    def send_failure(self, stage: int, rank: int, message: str) -> None:
+        """Instead of a boundary, tell rank stage + 1 that rank `rank` failed: count -1, the
+        failing rank, then as much of the message's UTF-8 as the header holds."""
+        raw = message.encode()[:8 * (self.words - 3)]
+        header = np.zeros(self.words, np.int64)
+        header[:3] = [-1, rank, len(raw)]
+        words = -(-len(raw) // 8)
+        header[3:3 + words] = np.frombuffer(raw.ljust(8 * words, b"\0"), np.int64)
+        self.comm.send(self.be.asarray(header, dtype=np.int64), stage + 1)
 
     def send(self, stage: int, b: Boundary) -> None:
         arrays = [(0, -1, b.streams)] + [(1, i, b.taps[i]) for i in sorted(b.taps)] \
@@ -134,6 +147,13 @@ class RankTransport:
         buf = self.be.zeros(self.words, dtype=np.int64)
         self.comm.recv(buf, stage - 1)
         header = np.asarray(self.be.to_host(buf))
+        self.received += 1
+        if header[0] == -1:
+            origin, message = int(header[1]), header[3:].tobytes()[:int(header[2])].decode(errors="replace")
+            err = BackendError(f"rank {origin} failed ({message}); the ranks after it stopped walking: close "
+                               "this model and start the group again")
+            err.report = (origin, message)
+            raise err
         got = Boundary(None)
         for j in range(int(header[0])):
             part, layer, code, ndim = (int(v) for v in header[1 + 7 * j:5 + 7 * j])
@@ -232,10 +252,14 @@ class RankedGlm5Model(StagedGlm5Model):
 
     # ---- a follower ------------------------------------------------------------------------------
     def serve(self) -> None:
-        """Run the driver's commands on this rank's stage until it closes."""
+        """Run the driver's commands on this rank's stage until it closes. A failure here (or
+        one a rank before reported) is passed on instead of a boundary in that walk and every
+        later one, so the driver raises it rather than waiting forever; this rank's own failure
+        is raised again when the driver closes."""
         if self.driver:
             raise InputError("serve() runs on the ranks before the last; the last rank drives the model")
         root = self.placement.count - 1
+        failed, own = None, None  # (failing rank, its message) once a failure is known; this rank's own
         while True:
             words = self.be.zeros(COMMAND_WORDS, dtype=np.int64)
             self.comm.broadcast(words, root)
@@ -248,8 +272,28 @@ class RankedGlm5Model(StagedGlm5Model):
             for gone in payload[n_tokens + n_taps:]:
                 self.caches.pop(int(gone), None)
             if kind == STOP:
+                if own is not None:
+                    raise own
                 return
-            self._follow(kind, cid, a, b, c, payload[:n_tokens], tuple(int(t) for t in payload[n_tokens:n_tokens + n_taps]))
+            taken = self.transport.received
+            if failed is None:
+                try:
+                    self._follow(kind, cid, a, b, c, payload[:n_tokens],
+                                 tuple(int(t) for t in payload[n_tokens:n_tokens + n_taps]))
+                    continue
+                except BackendError as exc:
+                    if not hasattr(exc, "report"):
+                        raise
+                    failed = exc.report  # a rank before this one failed: pass its report on
+                except Exception as exc:
+                    failed, own = (self.rank, f"{type(exc).__name__}: {exc}"), exc
+            if kind == WALK:
+                if self.rank and self.transport.received == taken:
+                    try:  # the rank before sent this walk's boundary: take it, so its send completes
+                        self.transport.recv(self.rank)
+                    except BackendError:
+                        pass
+                self.transport.send_failure(self.rank, *failed)
 
     def _follow(self, kind: int, cid: int, a: int, b: int, c: int, tokens, taps: tuple) -> None:
         if kind == NEW:

@@ -24,7 +24,7 @@ from memra.drafters.dflash2 import write_fixture_drafter
 from memra.generate import generate
 from memra.model.ranks import RankedGlm5Model, ThreadComm, launcher_env, stage_tensors
 from memra.model.stages import plan_stages
-from memra.errors import InputError
+from memra.errors import BackendError, InputError
 from memra.presets import preset
 from tests.pipeline.gate import CONT, K, MAX_CTX, N_TAPE, PLEN, PRESET, SEED, SPLITS, bits, primed, tokens
 from tests.speculative.battery import Oracle, open_session, round_log, run_bursts
@@ -33,7 +33,7 @@ from tests.speculative.battery import Oracle, open_session, round_log, run_burst
 class Ranks:
     """A ranked group on threads: the followers serve() in daemon threads; `driver` is the last."""
 
-    def __init__(self, ckpt_dir, split: str, follower=RankedGlm5Model, timeout: float = 60.0):
+    def __init__(self, ckpt_dir, split: str, classes: dict | None = None, timeout: float = 60.0):
         cfg = memra.load_config(ckpt_dir)
         plan = plan_stages(cfg.num_hidden_layers, stage_layers=split)
         comms = ThreadComm.group(plan.count, timeout=timeout)
@@ -41,7 +41,8 @@ class Ranks:
         # each rank reads only its own stage's tensors, as load_ranked does
         weights = [load_checkpoint(ckpt_dir, cfg, keep_bf16=True, only=stage_tensors(cfg, plan, r))
                    for r in range(plan.count)]
-        self.models = [(RankedGlm5Model if r == last else follower)(cfg, weights[r], NumpyBackend(), plan, r, comms[r])
+        kind = {**(classes or {}), last: RankedGlm5Model}  # rank -> a test's stand-in; the driver is real
+        self.models = [kind.get(r, RankedGlm5Model)(cfg, weights[r], NumpyBackend(), plan, r, comms[r])
                        for r in range(plan.count)]
         self.driver, self.errors = self.models[-1], []
         self.threads = [threading.Thread(target=self._serve, args=(m,), daemon=True) for m in self.models[:-1]]
@@ -215,7 +216,7 @@ def test_r0_red_a_boundary_that_loses_its_lowest_bits_on_the_wire_breaks_w0(ref,
 
             self.transport.send = flip
 
-    group = Ranks(ckpt_dir, SPLITS[2], follower=LossyFirst)
+    group = Ranks(ckpt_dir, SPLITS[2], {0: LossyFirst})
     try:
         got = group.driver.prime(prompt, group.driver.new_cache(MAX_CTX))
     finally:
@@ -234,21 +235,47 @@ def test_red_arm_a_follower_that_ignores_rollback_diverges(ref, ckpt_dir, prompt
     for tok in rows[:keep]:
         ref.decode_step(tok, never)
     want = [ref.decode_step(tok, never) for tok in CONT]
-    group = Ranks(ckpt_dir, SPLITS[2], follower=NoRollback, timeout=5.0)
+    group = Ranks(ckpt_dir, SPLITS[2], {0: NoRollback}, timeout=5.0)
     got = None
     try:
         cache = primed(group.driver, prompt)
         _, _, ckpt = group.driver.verify_rows(rows, cache)
         group.driver.rollback(cache, ckpt, keep)
         got = [group.driver.decode_step(tok, cache) for tok in CONT]
-    except InputError as exc:
-        assert "waited" in str(exc)  # the driver stops waiting for the follower that stopped
+    except BackendError as exc:  # loud: the follower's planes, out of step with the position, trip its wire
+        assert "rank 0 failed (ResidencyError" in str(exc) and "missed rollback" in str(exc)
     finally:
         errors = group.close()
-    if got is None:  # loud: the follower's planes, out of step with the position, trip the residency wire
-        assert [type(e).__name__ for e in errors] == ["ResidencyError"] and "missed rollback" in str(errors[0])
+    if got is None:
+        assert [type(e).__name__ for e in errors] == ["ResidencyError"]
     else:
         assert any(not np.array_equal(g, w) for g, w in zip(got, want))
+
+
+class FailsOnThirdWalk(RankedGlm5Model):
+    """A rank whose third stage walk raises (a device fault, an out-of-memory, a bug)."""
+
+    def _stage_walk(self, *args):
+        self.walks_started = getattr(self, "walks_started", 0) + 1
+        if self.walks_started == 3:
+            raise RuntimeError("injected")
+        return super()._stage_walk(*args)
+
+
+@pytest.mark.parametrize("failing", [0, 1], ids=["first", "middle"])
+def test_a_rank_that_fails_is_reported_by_the_driver_instead_of_a_hang(ckpt_dir, prompt, failing):
+    """The failing rank passes its report on instead of a boundary, in that walk and every later
+    one; the ranks after it forward it; the driver raises it. No receive ever times out."""
+    group = Ranks(ckpt_dir, SPLITS[3], {failing: FailsOnThirdWalk}, timeout=20.0)
+    try:
+        cache = primed(group.driver, prompt)  # walk 1
+        group.driver.decode_step(1, cache)     # walk 2
+        for _ in range(2):                     # walk 3 fails; a later one is refused the same way
+            with pytest.raises(BackendError, match=f"rank {failing} failed \\(RuntimeError: injected\\)"):
+                group.driver.decode_step(2, group.driver.new_cache(MAX_CTX))
+    finally:
+        errors = group.close()
+    assert [str(e) for e in errors] == ["injected"]  # raised again by the failing rank alone, at close
 
 
 def test_a_ranked_run_without_the_launchers_environment_or_a_gpu_backend_is_refused_by_name(ckpt_dir):

@@ -30,4 +30,5 @@ class ResidencyError(MemraError):
 
 
 class BackendError(MemraError):
-    """The requested compute backend is unavailable on this machine."""
+    """The compute backend cannot run what was asked: it is unavailable on this machine, or a rank
+    of a model split over processes failed (memra.model.ranks)."""

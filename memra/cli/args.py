@@ -59,13 +59,24 @@ def _prompt_ids(text: str) -> list[int]:
 
 
 def add_placement_flags(group) -> None:
-    """--gpus / --stage-layers: the pipeline placement, the same for `memra.run` and `memra serve`."""
+    """--gpus / --stage-layers / --ranks: the pipeline placement, the same for `memra.run` and `memra serve`."""
     group.add_argument("--gpus", type=number_arg(int, "--gpus", lo=1, why="must be an integer >= 1"), metavar="N",
                        help="split the trunk into N pipeline stages, stage s on local GPU s, balanced by weight "
                             "bytes (numpy: N stages in this process); same tokens as one stage")
     group.add_argument("--stage-layers", metavar="0-3,4-7",
                        help="the pipeline split by hand: one inclusive layer range per stage, covering every "
                             "trunk layer once, in order")
+    group.add_argument("--ranks", action="store_true",
+                       help="this process is one rank of a launcher-started group (torchrun, srun: RANK, "
+                            "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): rank r runs stage r on GPU "
+                            "LOCAL_RANK over NCCL, the last rank does the work")
+
+
+def check_placement(args) -> None:
+    """--ranks places one stage per process: no in-process split beside it."""
+    if args.ranks and (args.gpus or args.stage_layers):
+        raise UsageError("--ranks runs one stage per process (WORLD_SIZE stages, balanced by weight bytes): "
+                         "drop --gpus / --stage-layers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,10 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"),
                      help="compute backend (default auto: cuda when usable, else numpy)")
     add_placement_flags(src)
-    src.add_argument("--ranks", action="store_true",
-                     help="this process is one rank of a launcher-started group (torchrun, srun: RANK, "
-                          "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): rank r runs stage r on GPU "
-                          "LOCAL_RANK over NCCL, the last rank generates and prints")
     src.add_argument("--max-ctx", type=number_arg(int, "--max-ctx", lo=2, why="must be an integer >= 2"),
                      metavar="N", help="context cap, prompt + generated tokens (default: the model's "
                      "max_position_embeddings)")
@@ -141,9 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv):
     args = build_parser().parse_args(argv)
-    if args.ranks and (args.gpus or args.stage_layers):
-        raise UsageError("--ranks runs one stage per process (WORLD_SIZE stages, balanced by weight bytes): "
-                         "drop --gpus / --stage-layers")
+    check_placement(args)
     if args.eos and args.ignore_eos:
         raise UsageError("--eos and --ignore-eos contradict each other: give one")
     if (args.preset or args.weights_dtype) and not args.plan:

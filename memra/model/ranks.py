@@ -36,6 +36,7 @@ import os
 import queue
 import re
 import weakref
+from collections import deque
 
 import numpy as np
 
@@ -194,7 +195,7 @@ class RankedGlm5Model(StagedGlm5Model):
         self.selections_in, self.selections_out = _selection_routes(cfg, plan)
         self.caches: dict = {}    # follower: the driver's cache id -> this rank's cache
         self.next_cache = 0       # driver: the id of its next cache
-        self.freed: list = []     # driver: ids of dropped caches, freed with the next command
+        self.freed = deque()      # driver: ids of dropped caches, freed with the next command
         self.walked = 0           # walks this rank ran its stage of (non-vacuity for tests)
 
     # ---- the driver's commands ---------------------------------------------------------------
@@ -202,8 +203,9 @@ class RankedGlm5Model(StagedGlm5Model):
         """Broadcast one command (the driver only; a follower runs its seams as told)."""
         if not self.driver:
             return
-        freed = list(self.freed)
-        self.freed.clear()  # the same list: the caches' finalizers append to it
+        freed = []
+        while self.freed:  # a deque: the caches' finalizers may append from any thread
+            freed.append(self.freed.popleft())
         words = [kind, -1 if cache is None else cache.rank_id, a, b, c, len(tokens), len(taps), len(freed)]
         self.comm.broadcast(self.be.asarray(np.asarray(words, np.int64), dtype=np.int64), self.rank)
         payload = np.concatenate([np.asarray(tokens, np.int64), np.asarray(taps, np.int64),

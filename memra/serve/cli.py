@@ -18,8 +18,9 @@ import signal
 import socket
 import sys
 import traceback
+from types import SimpleNamespace
 
-from memra.cli.args import UsageError, add_placement_flags, number_arg
+from memra.cli.args import UsageError, add_placement_flags, check_placement, number_arg
 from memra.errors import MemraError
 from memra.limits import MAX_K
 
@@ -112,13 +113,34 @@ def main(argv=None) -> int:
 
 def _serve(args, err) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  the serve extra, checked before any model loads
 
-        from memra.serve.app import ServeSettings, create_app
+        import memra.serve.app  # noqa: F401
     except ImportError as exc:
         raise UsageError(f"memra serve needs the serve extra ({exc.name} is missing): "
                          "pip install 'memra[serve]'") from None
+    check_placement(args)
+    if not args.ranks:
+        return _serve_http(args, err)
+    from memra import load_ranked
+    from memra.cli.inputs import model_source
+
+    checkpoint = model_source(SimpleNamespace(checkpoint=args.checkpoint), err).path
+    model = load_ranked(checkpoint, backend=args.backend)  # every rank its stage; the last one serves
+    if not model.driver:
+        model.serve()
+        return 0
+    try:
+        return _serve_http(args, err, model, checkpoint)
+    finally:
+        model.close()  # the other ranks stop with the server
+
+
+def _serve_http(args, err, model=None, checkpoint=None) -> int:
+    import uvicorn
+
     from memra.cli.inputs import draft_options
+    from memra.serve.app import ServeSettings, create_app
     from memra.serve.engine import Engine, EngineOptions
 
     options: dict = {}
@@ -126,11 +148,11 @@ def _serve(args, err) -> int:
         options.setdefault(source, []).append((key, value))
     drafts = None if args.drafts is None else tuple(n.strip() for n in args.drafts.split(",") if n.strip())
     engine = Engine(EngineOptions(
-        checkpoint=args.checkpoint, backend=args.backend, stages=args.gpus or 1, stage_layers=args.stage_layers,
-        max_ctx=args.max_ctx,
+        checkpoint=checkpoint or args.checkpoint, backend=args.backend, stages=args.gpus or 1,
+        stage_layers=args.stage_layers, max_ctx=args.max_ctx,
         draft=args.draft, num_draft_tokens=args.num_draft_tokens,
         draft_options={source: draft_options(pairs) for source, pairs in options.items()}, drafts=drafts,
-        served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens), err)
+        served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens), err, model=model)
     if not args.no_warmup:
         engine.warm_up()
     app = create_app(engine, ServeSettings(args.burst_tokens, args.max_sessions, args.max_queue,

@@ -106,6 +106,15 @@ def test_a_missing_checkpoint_is_refused_before_anything_listens(tmp_path):
     assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("flags, message", [(["--ranks", "--gpus", "2"], "--ranks runs one stage per process"),
+                                             (["--ranks", "--backend", "numpy"], "with torchrun")])
+def test_ranks_without_a_launcher_or_beside_an_in_process_split_are_refused_in_one_line(flags, message):
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "memra.serve", *flags], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_import_memra_keeps_the_web_stack_out():
     code = ("import sys, memra, memra.run, memra.generate; "
             f"print([m for m in sys.modules if m.split('.')[0] in {WEB!r} or m.startswith('memra.serve')])")

@@ -63,7 +63,8 @@ def load_ranked(path: str | os.PathLike, backend: str = "cuda", environ=None):
     from memra.backend import get_backend
     from memra.checkpoint import load_checkpoint
     from memra.memory_plan import balanced_split, checkpoint_weight_bytes
-    from memra.model.ranks import NcclComm, RankedGlm5Model, launcher_env, stage_tensors
+    from memra.model.comms import NcclComm, launcher_env
+    from memra.model.ranks import RankedGlm5Model, stage_tensors
     from memra.model.stages import plan_stages
 
     env = launcher_env(environ)

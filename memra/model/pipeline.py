@@ -70,7 +70,7 @@ class StagedGlm5Model(Glm5Model):
             same = self.lanes.devices[0] == self.lanes.devices[last]
             self._hold_the_head(weights, self.first_embed if same else None)
         self.lanes.make_current(last)
-        self.selections_in, self.selections_out = _selection_routes(cfg, plan)
+        self.selections_in, self.selections_out = selection_routes(cfg, plan)
 
     def _hold_the_head(self, weights: dict, embed) -> None:
         """The last stage's parts, made in its lane: the embedding (`embed`, the first stage's
@@ -154,7 +154,7 @@ class StagedGlm5Model(Glm5Model):
         return out, stash, tapped, selected
 
 
-def _selection_routes(cfg, plan: StagePlan) -> tuple[list[tuple], list[tuple]]:
+def selection_routes(cfg, plan: StagePlan) -> tuple[list[tuple], list[tuple]]:
     """(per stage: the indexer layers of earlier stages whose selections it reads, in order;
     per cut s: the selections that cross it, i.e. made on stages <= s, read on stages > s).
     A `shared` indexer layer reads the selection of the last full one before it, which a cut

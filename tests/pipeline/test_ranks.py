@@ -1,4 +1,4 @@
-"""The trunk's stages as ranks (memra/model/ranks.py): rank r holds and runs stage r, the last
+"""The trunk's stages as ranks (memra/model/ranks.py, comms.py): rank r holds and runs stage r, the last
 rank drives; here the ranks are threads of this process on numpy (ThreadComm), as CI runs them.
 The truth is the unsplit model on the same backend (tests/pipeline/gate.py's anchors).
 
@@ -22,7 +22,8 @@ from memra.backend.numpy_ref import NumpyBackend
 from memra.checkpoint import load_checkpoint
 from memra.drafters.dflash2 import write_fixture_drafter
 from memra.generate import generate
-from memra.model.ranks import RankedGlm5Model, ThreadComm, launcher_env, stage_tensors
+from memra.model.comms import ThreadComm, launcher_env
+from memra.model.ranks import RankedGlm5Model, stage_tensors
 from memra.model.stages import plan_stages
 from memra.errors import BackendError, InputError
 from memra.presets import preset

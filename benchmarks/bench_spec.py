@@ -8,8 +8,10 @@ and against the bound its realised acceptance allows.
 Greedy only. After a --context-token prompt: the plain greedy tape and plain tokens/s; for each K
 the verify time of K+1 rows (median of --reps walks, each rewound) and the real per-round draft
 cost of native-mtp (when the preset has an MTP block) and of a dflash2 fixture drafter built for
-the preset (median propose() time over a real session of --steps tokens), and native-mtp's lm head
-alone (one row, the part of each draft step an FR-Spec trim cuts). Then for each (alpha, K)
+the preset (median propose() time over a real session of --steps tokens), native-mtp's lm head
+alone (one row, the part of each draft step an FR-Spec trim cuts), and per source one propose()
+at its largest K under the kernel profiler (GPU kernel time against the call's span: what the
+host holds up). Then for each (alpha, K)
 a session drafted by `TapeSource` (the tape's next K tokens, each corrupted with
 probability 1 - alpha: acceptance is forced, draft cost ~0): two untimed rounds (the session's
 cache captures its verify walk), then --steps tokens timed. Its output must equal the plain tape
@@ -41,6 +43,7 @@ from benchmarks.common import (  # noqa: E402
     WARMUP_STEPS, card_head, emit, greedy_steps, model_args, model_config, model_from_args, prime_context, random_tokens,
     record_header, timed_call, verify_times,
 )
+from benchmarks.kernel_profile import kernel_profile  # noqa: E402
 from memra.config import preset  # noqa: E402
 from memra.drafters.dflash2 import DFlash2Source  # noqa: E402
 from memra.drafters.dflash2.fixture import write_fixture_drafter  # noqa: E402
@@ -55,6 +58,8 @@ from memra.speculative.session import SpecSession  # noqa: E402
 GRAPH_ROUNDS = 2  # untimed rounds per session: its verify walk runs eagerly once, then is captured
 DRAFT_SOURCES = {"native-mtp": NativeMtpSource, "dflash2": DFlash2Source}
 HEAD_REPS = 20  # timed calls of native-mtp's lm head alone
+PROFILED_PROPOSE = 4  # the propose() profiled per source: past the rounds whose walks capture graphs
+PROFILE_FAMILIES = 8  # kernel families kept per draft profile
 
 
 class TapeSource:
@@ -95,17 +100,27 @@ class TapeSource:
 
 
 class TimedDrafter:
-    """A loaded draft source whose sessions record the milliseconds of every propose()."""
+    """A loaded draft source whose sessions record the milliseconds of every propose(); with
+    `profiled`, that call (0-based; past the first rounds, whose walks capture graphs) runs under
+    the kernel profiler instead, untimed: its GPU kernel time against its span says how much of
+    a draft round the host holds up."""
 
-    def __init__(self, inner, be):
+    def __init__(self, inner, be, profiled: int | None = None, profiler=None):
         self.inner, self.be, self.ms = inner, be, []
         self.max_k, self.tap_layers = inner.max_k, inner.tap_layers
+        self.profiled = profiled if profiler is not None else None
+        self.profiler, self.profile, self.calls = profiler, None, 0
 
     def begin(self, start):
         state = self.inner.begin(start)
         propose = state.propose
 
         def timed(k, sampling=None):
+            self.calls += 1
+            if self.calls - 1 == self.profiled:
+                box = []
+                self.profile = self.profiler(lambda: box.append(propose(k, sampling)), 1, [])
+                return box[0]
             ms, proposal = timed_call(partial(propose, k, sampling), self.be)
             self.ms.append(ms)
             return proposal
@@ -141,10 +156,11 @@ def head_ms(model, drafter) -> float:
     return float(np.median([timed_call(call, model.be)[0] for _ in range(HEAD_REPS)]))
 
 
-def draft_costs(model, prompt, tape: list[int], args) -> tuple[dict, dict, dict]:
+def draft_costs(model, prompt, tape: list[int], args) -> tuple[dict, dict, dict, dict]:
     """Per source: {"K": median ms of one propose(K)} (or None where it cannot draft K), or None;
-    the reason for each None source; and native-mtp's lm head ms per draft step."""
-    costs, reasons, heads = {}, {}, {}
+    the reason for each None source; native-mtp's lm head ms per draft step; and per source the
+    kernel profile of one propose at its largest K (None without a profiler)."""
+    costs, reasons, heads, profiles = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, source in DRAFT_SOURCES.items():
             try:
@@ -156,14 +172,32 @@ def draft_costs(model, prompt, tape: list[int], args) -> tuple[dict, dict, dict]
                 costs[name], reasons[name] = None, str(e)
                 continue
             costs[name] = {}
+            deepest = max((k for k in args.ks if k <= drafter.max_k), default=None)
             for k in args.ks:
-                timed = TimedDrafter(drafter, model.be)
+                timed = TimedDrafter(drafter, model.be, PROFILED_PROPOSE if k == deepest else None,
+                                     profiler_for(model.be))
                 if k <= timed.max_k:
                     spec_run(model, prompt, timed, tape, args.steps, k)
                 costs[name][str(k)] = float(np.median(timed.ms)) if timed.ms else None
+                if k == deepest:
+                    profiles[name] = _profile_summary(timed.profile, k)
             if name == "native-mtp":
                 heads[name] = head_ms(model, drafter)
-    return costs, reasons, heads
+    return costs, reasons, heads, profiles
+
+
+def profiler_for(be):
+    """The kernel profiler where the backend launches kernels (none on numpy's host arrays)."""
+    return kernel_profile if be.compiles_on_first_use else None
+
+
+def _profile_summary(prof: dict | None, k: int) -> dict | None:
+    """One profiled propose(k): GPU kernel time, span, idle share, the largest kernel families."""
+    if prof is None:
+        return None
+    top = dict(list(prof["families"].items())[:PROFILE_FAMILIES])
+    return {"k": k, "kernel_ms": prof["kernel_us_per_step"] / 1e3, "span_ms": prof["span_us_per_step"] / 1e3,
+            "idle_share": prof["idle_share"], "families_us": {n: f["us_per_step"] for n, f in top.items()}}
 
 
 def expected_tokens(alpha, k: int) -> float:
@@ -224,6 +258,10 @@ def card(record: dict) -> list[str]:
         per_step = {k: v / int(k) for k, v in record["draft_ms"][name].items() if v is not None}
         lines.append(f"  {name}: lm head {ms:.3f} ms of each draft step ("
                      + ", ".join(f"K={k}: {v:.3f} ms a step" for k, v in per_step.items()) + ")")
+    for name, p in record["draft_profile"].items():
+        if p is not None:
+            lines.append(f"  {name}: propose(K={p['k']}) GPU kernels {p['kernel_ms']:.2f} ms of a {p['span_ms']:.2f} ms "
+                         f"span ({100 * p['idle_share']:.0f}% idle)")
     for r in record["spec"]:
         costs = "".join(f"  {n} {c['tokens_per_s']:8.1f} tok/s x{c['speedup_vs_plain']:4.2f}"
                         for n, c in r["with_draft_cost"].items() if c is not None)
@@ -257,7 +295,7 @@ def main(argv=None) -> int:
     cache, _ = prime_context(model, args.context, max(args.ks) + 1, args.seed)
     verify = {k: float(np.median(verify_times(model, cache, tape[:k + 1], args.reps)[0])) for k in args.ks}
     prompt = random_tokens(model.cfg, args.context, args.seed)
-    costs, reasons, heads = draft_costs(model, prompt, tape, args)
+    costs, reasons, heads, profiles = draft_costs(model, prompt, tape, args)
     spec = [point(model, prompt, tape, a, k, verify[k], costs, plain["tokens_per_s"], args)
             for k in args.ks for a in args.alphas]
     for source, k, rates in profile_points(args.profile, args.ks) if args.profile else ():
@@ -268,7 +306,7 @@ def main(argv=None) -> int:
                           dflash2_drafter="write_fixture_drafter defaults (2 layers, block 8) for the preset")
     record = record_header("bench_spec", args.git_sha, config, model.be) | {
         "plain": plain, "verify_ms": {str(k): v for k, v in verify.items()}, "draft_ms": costs,
-        "draft_head_ms_per_step": heads, "draft_unavailable": reasons, "spec": spec,
+        "draft_head_ms_per_step": heads, "draft_profile": profiles, "draft_unavailable": reasons, "spec": spec,
     }
     emit(record, card(record), args.out)
     return 0

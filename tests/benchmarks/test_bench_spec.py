@@ -29,6 +29,7 @@ def test_bench_spec_prints_one_json_line_and_full_acceptance_accepts_every_draft
     assert record["bench"] == "bench_spec" and record["plain"]["tokens_per_s"] > 0
     assert set(record["verify_ms"]) == {"1", "3"} and all(v > 0 for v in record["verify_ms"].values())
     assert record["draft_unavailable"] == {}  # small has an MTP block; its dflash2 fixture is cheap
+    assert record["draft_profile"] == {"native-mtp": None, "dflash2": None}  # numpy: no kernels
     for name in ("native-mtp", "dflash2"):
         assert all(record["draft_ms"][name][k] > 0 for k in ("1", "3"))
     # native-mtp's lm head alone, per draft step: a part of the step it belongs to
@@ -46,6 +47,46 @@ def test_bench_spec_prints_one_json_line_and_full_acceptance_accepts_every_draft
             assert p["expected_tokens_per_round"] == p["k"] + 1
         else:
             assert p["mean_accepted_per_round"] < p["k"]
+
+
+def test_one_propose_per_source_runs_under_the_kernel_profiler_untimed(capsys, monkeypatch):
+    """numpy launches no kernels (no profiler: the profile is None, test above); a profiler
+    stand-in shows the profiled call still hands its proposal to the session (the tape check
+    passes) at each source's largest K."""
+    calls = []
+
+    def fake_profile(run, steps, launched):
+        run()
+        calls.append(steps)
+        families = {f"k{i}": {"us_per_step": 100.0 - i} for i in range(12)}
+        return {"kernel_us_per_step": 900.0, "span_us_per_step": 1500.0, "idle_share": 0.4, "families": families}
+
+    monkeypatch.setattr(bench_spec, "profiler_for", lambda be: fake_profile)
+    assert bench_spec.main(ARGS) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert calls == [1, 1]  # one propose per source
+    for name in ("native-mtp", "dflash2"):
+        p = record["draft_profile"][name]
+        assert p["k"] == 3 and p["kernel_ms"] == 0.9 and p["span_ms"] == 1.5 and p["idle_share"] == 0.4
+        assert list(p["families_us"]) == [f"k{i}" for i in range(bench_spec.PROFILE_FAMILIES)]
+
+
+def test_the_profiled_propose_is_not_timed():
+    class Stub:
+        max_k, tap_layers = 4, ()
+
+        def begin(self, start):
+            return self
+
+        def propose(self, k, sampling=None):
+            return k
+
+    profiled = []
+    timed = bench_spec.TimedDrafter(Stub(), build_model("small", "numpy").be, profiled=1,
+                                    profiler=lambda run, steps, launched: (run(), profiled.append(steps), {})[-1])
+    state = timed.begin(None)
+    assert [state.propose(2) for _ in range(3)] == [2, 2, 2]
+    assert len(timed.ms) == 2 and profiled == [1] and timed.profile == {}
 
 
 def test_expected_tokens_per_round_is_the_geometric_sum():

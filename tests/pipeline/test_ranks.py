@@ -183,6 +183,16 @@ def test_a_rewind_puts_every_rank_back(ref, ranks, prompt, rows):
         assert np.array_equal(driver.decode_step(tok, cache), ref.decode_step(tok, never))
 
 
+def test_one_rank_is_the_whole_model(ref, ckpt_dir, prompt, rows):
+    group = Ranks(ckpt_dir, "0-5")
+    try:
+        a, b = ref.new_cache(MAX_CTX), group.driver.new_cache(MAX_CTX)
+        assert np.array_equal(ref.prime(prompt, a), group.driver.prime(prompt, b))
+        assert all(np.array_equal(ref.decode_step(t, a), group.driver.decode_step(t, b)) for t in rows)
+    finally:
+        assert group.close() == [] and group.threads == []
+
+
 # ---- E -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("k", [1, 4, K])
 def test_e_native_mtp_tapes_over_ranks_equal_the_unsplit_plain_tape(ranks, prompt, tape, k):

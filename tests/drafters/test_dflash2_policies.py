@@ -23,7 +23,7 @@ from memra.drafters.dflash2.harvest import (
     resolve_harvest,
 )
 from memra.drafters.dflash2.heads import ConfidenceHead, MarkovHead
-from memra.drafters.dflash2.selector import Selector, softmax, top_candidates
+from memra.drafters.dflash2.selector import Selector, _top_candidates_skipping_nan, softmax, top_candidates
 from memra.errors import ConfigError, InputError
 
 B = 7  # a DSpark-class block size
@@ -152,6 +152,17 @@ def test_top_candidates_sort_by_value_and_break_ties_to_the_lower_id():
     assert ids.tolist() == [1, 3, 2, 4]
     assert vals.tolist() == [2.0, 2.0, 1.0, 1.0]
     assert top_candidates(row, 99)[1].tolist() == [1, 3, 2, 4, 6, 0, 5]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([-np.inf, -2.0, -0.0, 0.0, 1.0, 1.5, np.inf, np.nan]), min_size=1, max_size=40),
+       st.integers(1, 45))
+def test_top_candidates_equal_the_argpartition_reference_on_ties_infinities_and_nans(values, k):
+    """The partition path against the reference it replaced (negated argpartition, then the
+    entries above the k-th value and the lowest-id ties at it), ties, +-0, +-inf and NaN included."""
+    row = np.asarray(values, np.float64)
+    got, want = top_candidates(row, k), _top_candidates_skipping_nan(row, min(k, row.size))
+    assert np.array_equal(got[1], want[1]) and np.array_equal(got[0], want[0], equal_nan=True)
 
 
 def _selector(rng, v, h, r, k, zero=None):

@@ -48,9 +48,22 @@ def take_rows(table, ids) -> np.ndarray:
 
 
 def top_candidates(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(values, ids) of the k largest entries, sorted by value descending, ties to the lower id."""
+    """(values, ids) of the k largest entries, sorted by value descending, ties to the lower id.
+    The k-th largest value comes from one partition of the row (no negated copy: that sort is the
+    draft round's largest host cost on a 154880-token vocabulary); every entry at or above it is
+    sorted, and the first k kept. A row with a NaN takes the path this one replaced (the test
+    holds both to the same answers), whose NaN handling stays as it was."""
     row = np.asarray(row)
     k = min(int(k), row.size)
+    if np.isnan(row.max()):
+        return _top_candidates_skipping_nan(row, k)
+    kth = np.partition(row, row.size - k)[row.size - k]
+    ids = np.flatnonzero(row >= kth)
+    ids = ids[np.lexsort((ids, -row[ids]))][:k]
+    return row[ids], ids
+
+
+def _top_candidates_skipping_nan(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     part = np.argpartition(-row, k - 1)[:k] if k < row.size else np.arange(row.size)
     kth = row[part].min()
     above = np.flatnonzero(row > kth)

@@ -26,7 +26,7 @@ from memra.backend.numpy_ref import NumpyBackend
 from memra.errors import InputError
 from memra.generate import generate
 from memra.backend.philox import MASK32, TAG_ACCEPT, TAG_DRAW, host_u01, philox4x32_10, to_unit, uniforms, words
-from memra.speculative.sampling import SamplingParams, filtered_probs
+from memra.speculative.sampling import SamplingParams, _filtered_probs_by_sort, filtered_probs
 
 # ---- Philox: known answers and stream addressing ----------------------------------------------------
 KAT = [  # Random123 kat_vectors, philox4x32 10: (ctr, key) -> out
@@ -152,6 +152,40 @@ def test_filter_matches_an_independent_implementation(logits, sp):
     assert got.dtype == np.float64 and got.shape == (len(logits),)
     np.testing.assert_array_equal(got > 0, want > 0)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+tied_rows = st.lists(st.sampled_from([-np.inf, -3.0, -1.0, -0.0, 0.0, 0.5, 2.0, 2.5, np.nan]), min_size=1,
+                     max_size=40)
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.one_of(logit_rows, tied_rows), params)
+def test_filter_is_bit_for_bit_the_whole_row_sort(logits, sp):
+    """filtered_probs skips the full sort where it can; every bit must still be the sorted
+    definition's (ties, +-0, +-inf and NaN rows included)."""
+    row = np.asarray(logits, dtype=np.float32)
+    got, want = filtered_probs(row, sp), _filtered_probs_by_sort(row.astype(np.float64) / sp.temperature, sp)
+    assert np.array_equal(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.95),
+                                SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=0.6, top_k=40,
+                                                                                         top_p=0.9, min_p=0.02)])
+def test_filter_at_a_real_vocabulary_is_bit_for_bit_the_whole_row_sort(sp):
+    row = (np.random.default_rng(3).standard_normal(154880) * 4).astype(np.float32)
+    row[[7, 90000]] = row.max()  # a tie at the top
+    assert np.array_equal(filtered_probs(row, sp), _filtered_probs_by_sort(row.astype(np.float64) / sp.temperature, sp))
+
+
+def test_a_nucleus_boundary_tie_keeps_the_sorted_rows_first_token():
+    """At the top-p boundary, equal probabilities follow the sorted row's order (value, then
+    index): two tokens share the boundary probability and only the lower index fits the nucleus
+    (keeping the other, or both, fails here and in the bit-for-bit test above)."""
+    row = np.log(np.array([0.25, 0.25, 0.5], dtype=np.float64)).astype(np.float32)
+    sp = SamplingParams(temperature=1.0, top_p=0.7)
+    p = filtered_probs(row, sp)
+    assert np.count_nonzero(p) == 2 and p[0] > 0 and p[1] == 0  # the lower index of the tie survives
+    assert np.array_equal(p, _filtered_probs_by_sort(row.astype(np.float64), sp))
 
 
 @settings(max_examples=300, deadline=None)

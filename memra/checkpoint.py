@@ -4,7 +4,7 @@ A checkpoint arrives under several spellings (the release's `model.language_mode
 `model.` or bare text-model export, transformers' live fused tensors) and in F32, BF16 or F16, or
 as the FP8 release (F8_E4M3 matrices with 128x128 block scales: memra/checkpoint_fp8.py). This
 module maps all of them to one set of canonical bare names (research/glm5_checkpoint.md section 1),
-checks the result against `expected_tensors(cfg)` and refuses with ONE `CheckpointError` that names
+checks the result against `expected_tensors(cfg)` (memra/tensor_contract.py) and refuses with ONE `CheckpointError` that names
 every missing, unexpected, misshaped, unsupported or non-finite (NaN/inf) tensor, so a broken
 export is fixed in one pass. Before any tensor is read, the config's declared sizes are checked
 against the headers (a tensor count the files cannot hold) and the memory plan (memra/memory.py).
@@ -16,17 +16,17 @@ against the headers (a tensor count the files cannot hold) and the memory plan (
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 
 import numpy as np
 
-from memra.config import KDA, ModelConfig
+from memra.config import ModelConfig
 from memra.errors import CheckpointError, InputError
 from memra.jsonfile import read_json_object
 from memra.memory import check_weights_fit, weight_bytes
 from memra.checkpoint_fp8 import FP8_KIND, check_quantization_config, pair_scales, unsupported_fp8_message
+from memra.tensor_contract import expected_count, expected_tensors
 from memra.safetensors_io import (
     READABLE_DTYPES, SUPPORTED_DTYPES, all_finite, bf16_to_f32, nonfinite_count, read_header, read_tensors,
 )
@@ -36,101 +36,6 @@ INDEX_FILE = "model.safetensors.index.json"
 _PREFIXES = ("model.language_model.", "model.")
 _COUNT_SLACK = 64      # tensors past 2x the files' count before a config is refused unenumerated
 _LISTED_PER_LINE = 6  # offenders a one-line refusal names; the rest are counted (all in .details)
-
-
-# ---- the contract -----------------------------------------------------------------------------
-
-def _kda(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d, c, hk, dk = cfg.hidden_size, cfg.linear_dim, cfg.linear_num_heads, cfg.linear_head_dim
-    k = cfg.linear_conv_kernel_dim
-    out = {f"{p}_proj.weight": (c, d) for p in "qkv"}
-    out.update({f"{p}_conv1d.weight": (c, 1, k) for p in "qkv"})
-    out.update({
-        "f_a_proj.weight": (dk, d), "f_b_proj.weight": (c, dk), "A_log": (hk,), "dt_bias": (c,),
-        "b_proj.weight": (hk, d), "g_a_proj.weight": (dk, d), "g_b_proj.weight": (c, dk),
-        "o_norm.weight": (dk,), "o_proj.weight": (d, c),
-    })
-    return out
-
-
-def _dsa(cfg: ModelConfig, with_indexer: bool) -> dict[str, tuple[int, ...]]:
-    d, h, rq, rkv = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    out = {
-        "q_a_proj.weight": (rq, d), "q_a_layernorm.weight": (rq,), "q_b_proj.weight": (h * (dn + dr), rq),
-        "kv_a_proj_with_mqa.weight": (rkv + dr, d), "kv_a_layernorm.weight": (rkv,),
-        "kv_b_proj.weight": (h * (dn + dv), rkv), "o_proj.weight": (d, h * dv),
-    }
-    if with_indexer:
-        hi, di, p = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
-        out.update({f"indexer.{k}": v for k, v in {
-            "wq_b.weight": (hi * di, rq), "wk.weight": (di, d), "k_norm.weight": (di,),
-            "k_norm.bias": (di,), "weights_proj.weight": (hi, d),
-            "index_kpool_compress_gate": (di, d), "index_kpool_compress_ape": (p, di),
-        }.items()})
-    return out
-
-
-def _swiglu(inner: int, d: int) -> dict[str, tuple[int, ...]]:
-    return {"gate_proj.weight": (inner, d), "up_proj.weight": (inner, d), "down_proj.weight": (d, inner)}
-
-
-def _moe(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d, e = cfg.hidden_size, cfg.n_routed_experts
-    out = {"gate.weight": (e, d), "gate.e_score_correction_bias": (e,)}
-    for i in range(e):
-        out.update({f"experts.{i}.{k}": v for k, v in _swiglu(cfg.moe_intermediate_size, d).items()})
-    shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-    out.update({f"shared_experts.{k}": v for k, v in _swiglu(shared, d).items()})
-    return out
-
-
-def _hc(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    n, d = cfg.hc_mult, cfg.hidden_size
-    m = (2 + n) * n
-    out = {}
-    for site in ("attn", "ffn"):
-        out.update({f"hc_{site}_fn": (m, n * d), f"hc_{site}_base": (m,), f"hc_{site}_scale": (3,)})
-    return out
-
-
-def _prefixed(prefix: str, block: dict) -> dict[str, tuple[int, ...]]:
-    return {prefix + k: v for k, v in block.items()}
-
-
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical bare tensor name -> shape for every tensor a checkpoint of `cfg` must hold."""
-    d, v, n_layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
-    out = {"embed_tokens.weight": (v, d), "norm.weight": (d,)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (v, d)
-    for i in range(n_layers):
-        p = f"layers.{i}."
-        out.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
-        out.update(_prefixed(p, _hc(cfg)))
-        kind = cfg.layer_types[i]
-        mixer = _kda(cfg) if kind == KDA else _dsa(cfg, cfg.indexer_types[i] == "full")
-        out.update(_prefixed(p + "self_attn.", mixer))
-        ffn = _swiglu(cfg.intermediate_size, d) if cfg.mlp_layer_types[i] == "dense" else _moe(cfg)
-        out.update(_prefixed(p + "mlp.", ffn))
-    if cfg.has_mtp:
-        p = f"layers.{n_layers}."
-        for name in ("enorm", "hnorm", "shared_head.norm", "input_layernorm", "post_attention_layernorm"):
-            out[f"{p}{name}.weight"] = (d,)
-        out[p + "eh_proj.weight"] = (d, 2 * d)
-        out.update(_prefixed(p + "self_attn.", _dsa(cfg, with_indexer=True)))
-        out.update(_prefixed(p + "mlp.", _moe(cfg)))
-    return out
-
-
-def expected_count(cfg: ModelConfig) -> int:
-    """len(expected_tensors(cfg)) without enumerating experts: what a declared size costs to check."""
-    moe = len(_moe(dataclasses.replace(cfg, n_routed_experts=0))) + 3 * cfg.n_routed_experts
-    n = 2 + (0 if cfg.tie_word_embeddings else 1)
-    for i in range(cfg.num_hidden_layers):
-        mixer = _kda(cfg) if cfg.layer_types[i] == KDA else _dsa(cfg, cfg.indexer_types[i] == "full")
-        n += 2 + len(_hc(cfg)) + len(mixer) + (3 if cfg.mlp_layer_types[i] == "dense" else moe)
-    return n + (6 + len(_dsa(cfg, with_indexer=True)) + moe if cfg.has_mtp else 0)
 
 
 # ---- name normalisation -----------------------------------------------------------------------

@@ -83,7 +83,8 @@ def _disk_name(name: str) -> str:
 def write_fixture(dir, config_dict: dict, seed: int = 0, dtype: str = "float32") -> str:
     """Write config.json + model.safetensors (names under `model.`) for a random `config_dict` model;
     dtype "float32", "bfloat16" or "fp8" (see the module doc)."""
-    from memra.checkpoint import SINGLE_FILE, expected_tensors  # checkpoint re-exports this module
+    from memra.checkpoint import SINGLE_FILE  # checkpoint re-exports this module
+    from memra.tensor_contract import expected_tensors
 
     cfg = ModelConfig.from_dict(config_dict)
     dir = os.fspath(dir)
@@ -142,7 +143,7 @@ def _write_fp8(path: str, tensors: dict, cfg: ModelConfig) -> dict:
 def fp8_fixture_twin(config_dict: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """Canonical name -> float32 weights that write_fixture(..., dtype="fp8") dequantizes to:
     each FP8 matrix as e4m3 * scale_inv, every other tensor the bf16 fixture's value."""
-    from memra.checkpoint import expected_tensors
+    from memra.tensor_contract import expected_tensors
 
     cfg = ModelConfig.from_dict(config_dict)
     tensors = {name: fixture_tensor(name, shape, cfg, seed) for name, shape in expected_tensors(cfg).items()}

@@ -146,9 +146,9 @@ def held_bytes(name: str, shape, dtype: str) -> tuple[str, int]:
 def release_dtypes(cfg, dtype: str = "bf16") -> dict[str, tuple[str, tuple[int, ...]]]:
     """Canonical name -> (safetensors dtype, shape) of every tensor a release checkpoint of `cfg`
     holds: "f32" (all F32), "bf16" (the BF16 release) or "fp8" (the FP8 release, scales included),
-    from the tensor contract memra.checkpoint.expected_tensors, so it never drifts from a load."""
+    from the tensor contract memra.tensor_contract.expected_tensors, so it never drifts from a load."""
     from memra.backend.fp8 import scale_grid
-    from memra.checkpoint import expected_tensors  # memra.checkpoint imports this module
+    from memra.tensor_contract import expected_tensors
     from memra.checkpoint_fp8 import fp8_allowed
 
     if dtype not in ("f32", "bf16", "fp8"):

@@ -93,19 +93,12 @@ def filtered_probs(logits, sp: SamplingParams) -> np.ndarray:
     z = np.asarray(logits, dtype=np.float64) / sp.temperature
     if np.isnan(z).any():
         return _filtered_probs_by_sort(z, sp)
-    ranked = _largest(z, sp.top_k) if 0 < sp.top_k < z.size else None
-    if ranked is None:
-        p = np.exp(z - z.max())
-    else:
-        keep = np.zeros(z.size, dtype=bool)
-        keep[ranked] = True
-        p = np.where(keep, np.exp(z - z.max()), 0.0)
+    ranked = largest(z, sp.top_k) if 0 < sp.top_k < z.size else None
+    p = np.exp(z - z.max()) if ranked is None else np.where(_marked(z.size, ranked), np.exp(z - z.max()), 0.0)
     p /= p.sum()
     if sp.top_p < 1.0:
         if ranked is not None:
-            cum = np.cumsum(p[ranked])
-            keep = np.zeros(z.size, dtype=bool)
-            keep[ranked[:_nucleus(cum, sp.top_p)]] = True
+            keep = _marked(z.size, ranked[:_nucleus(np.cumsum(p[ranked]), sp.top_p)])
         else:
             values = np.sort(p)[::-1]
             cut = _nucleus(np.cumsum(values), sp.top_p)
@@ -114,19 +107,23 @@ def filtered_probs(logits, sp: SamplingParams) -> np.ndarray:
             ties = np.flatnonzero(p == edge)
             ties = ties[np.lexsort((ties, -z[ties]))]  # the sorted row's order among equal probabilities
             keep[ties[:cut - int(keep.sum())]] = True
-        p = np.where(keep, p, 0.0)
-        p /= p.sum()
-    if sp.min_p > 0.0:
-        p = np.where(p >= sp.min_p * p.max(), p, 0.0)
-        p /= p.sum()
-    return p
+        p = _renormalised(p, keep)
+    return _min_p(p, sp.min_p)
 
 
-def _largest(z: np.ndarray, k: int) -> np.ndarray:
-    """The ids of the k largest values, descending, ties to the lower id: the sorted row's first k."""
+def largest(z: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest values of a row without NaN, descending, ties to the lower id
+    (the first k of the row sorted that way), from one partition instead of a sort."""
+    k = min(int(k), z.size)
     kth = np.partition(z, z.size - k)[z.size - k]
     ids = np.flatnonzero(z >= kth)
     return ids[np.lexsort((ids, -z[ids]))][:k]
+
+
+def _marked(size: int, ids) -> np.ndarray:
+    keep = np.zeros(size, dtype=bool)
+    keep[ids] = True
+    return keep
 
 
 def _nucleus(cum: np.ndarray, top_p: float) -> int:
@@ -134,23 +131,25 @@ def _nucleus(cum: np.ndarray, top_p: float) -> int:
     return int(np.searchsorted(cum, top_p * cum[-1])) + 1
 
 
+def _renormalised(p: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    p = np.where(keep, p, 0.0)
+    return p / p.sum()
+
+
+def _min_p(p: np.ndarray, min_p: float) -> np.ndarray:
+    """The min-p cut (relative to the largest probability), renormalised; p itself when off."""
+    return _renormalised(p, p >= min_p * p.max()) if min_p > 0.0 else p
+
+
 def _filtered_probs_by_sort(z: np.ndarray, sp: SamplingParams) -> np.ndarray:
     """filtered_probs by its definition, sorting the whole (temperature-scaled) row."""
     order = np.lexsort((np.arange(z.size), -z))  # descending value, ascending index on ties
-    keep = np.zeros(z.size, dtype=bool)
     ranked = order[: sp.top_k] if sp.top_k else order
-    keep[ranked] = True
-    p = np.where(keep, np.exp(z - z[order[0]]), 0.0)
+    p = np.where(_marked(z.size, ranked), np.exp(z - z[order[0]]), 0.0)
     p /= p.sum()
     if sp.top_p < 1.0:
-        keep[:] = False
-        keep[ranked[:_nucleus(np.cumsum(p[ranked]), sp.top_p)]] = True
-        p = np.where(keep, p, 0.0)
-        p /= p.sum()
-    if sp.min_p > 0.0:
-        p = np.where(p >= sp.min_p * p.max(), p, 0.0)
-        p /= p.sum()
-    return p
+        p = _renormalised(p, _marked(z.size, ranked[:_nucleus(np.cumsum(p[ranked]), sp.top_p)]))
+    return _min_p(p, sp.min_p)
 
 
 class SampleStreams:

@@ -289,6 +289,26 @@ def test_a_rank_that_fails_is_reported_by_the_driver_instead_of_a_hang(ckpt_dir,
     assert [str(e) for e in errors] == ["injected"]  # raised again by the failing rank alone, at close
 
 
+def test_a_rank_outside_the_plan_a_plan_for_another_config_and_a_driver_that_serves_are_refused(ckpt_dir):
+    cfg = memra.load_config(ckpt_dir)
+    plan = plan_stages(cfg.num_hidden_layers, stage_layers=SPLITS[2])
+    weights = load_checkpoint(ckpt_dir, cfg, keep_bf16=True)
+    with pytest.raises(InputError, match="WORLD_SIZE = the stage count"):
+        RankedGlm5Model(cfg, weights, NumpyBackend(), plan, 0, ThreadComm.group(3)[0])
+    with pytest.raises(InputError, match="plan the stages for this config"):
+        RankedGlm5Model(cfg, weights, NumpyBackend(), plan_stages(4, stage_layers="0-1,2-3"), 0,
+                        ThreadComm.group(2)[0])
+    driver = RankedGlm5Model(cfg, weights, NumpyBackend(), plan, 1, ThreadComm.group(2)[1])
+    with pytest.raises(InputError, match="the last rank drives"):
+        driver.serve()
+
+
+def test_a_thread_rank_that_waits_past_its_timeout_names_the_rank_it_waited_for():
+    comms = ThreadComm.group(2, timeout=0.05)
+    with pytest.raises(InputError, match="rank 1 waited 0 s for rank 0"):
+        comms[1].recv(np.zeros(3), 0)
+
+
 def test_a_ranked_run_without_the_launchers_environment_or_a_gpu_backend_is_refused_by_name(ckpt_dir):
     with pytest.raises(InputError, match="torchrun"):
         launcher_env({"RANK": "0"})

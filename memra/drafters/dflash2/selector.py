@@ -30,6 +30,7 @@ import numpy as np
 
 from memra.errors import ConfigError, InputError
 from memra.speculative.contract import SparseQ
+from memra.speculative.sampling import largest
 
 
 def to_host(a) -> np.ndarray:
@@ -48,18 +49,15 @@ def take_rows(table, ids) -> np.ndarray:
 
 
 def top_candidates(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(values, ids) of the k largest entries, sorted by value descending, ties to the lower id.
-    The k-th largest value comes from one partition of the row (no negated copy: that sort is the
-    draft round's largest host cost on a 154880-token vocabulary); every entry at or above it is
-    sorted, and the first k kept. A row with a NaN takes the path this one replaced (the test
+    """(values, ids) of the k largest entries, sorted by value descending, ties to the lower id,
+    from one partition (sampling.largest: a sort is the draft round's largest host cost per row
+    on a 154880-token vocabulary). A row with a NaN takes the path this one replaced (the test
     holds both to the same answers), whose NaN handling stays as it was."""
     row = np.asarray(row)
     k = min(int(k), row.size)
     if np.isnan(row.max()):
         return _top_candidates_skipping_nan(row, k)
-    kth = np.partition(row, row.size - k)[row.size - k]
-    ids = np.flatnonzero(row >= kth)
-    ids = ids[np.lexsort((ids, -row[ids]))][:k]
+    ids = largest(row, k)
     return row[ids], ids
 
 

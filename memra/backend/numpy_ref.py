@@ -210,6 +210,11 @@ class NumpyBackend(NumpyKdaOps):
         """Row-wise argmax; np.argmax returns the lowest index among ties."""
         return np.argmax(x, axis=-1)
 
+    def argmax_prob(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(argmax, softmax(x) at the argmax) per row: a greedy draft and its confidence."""
+        ids = self.argmax(x)
+        return ids, self.pick(self.softmax(x), ids)
+
     def pick(self, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """x [..., n], idx [...] (ints in 0..n-1) -> x[..., idx]: each row's entry at its index."""
         return np.take_along_axis(x, np.asarray(idx, dtype=np.int64)[..., None], axis=-1)[..., 0]

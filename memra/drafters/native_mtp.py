@@ -115,9 +115,9 @@ class NativeMtpState:
         ranks, confidences = [], []
         for ki in range(k):
             row = logits[-1:]
-            rank = be.argmax(row)  # [1]: the lowest index among ties, as np.argmax
+            rank, confidence = be.argmax_prob(row)  # [1]: the lowest index among ties, as np.argmax
             ranks.append(rank)
-            confidences.append(be.pick(be.softmax(row), rank))
+            confidences.append(confidence)
             if ki + 1 < k:
                 logits, carrier = self._step(rank if remap is None else be.pick(remap, rank), carrier)
         ranks = be.to_host(be.concat(ranks, axis=0))

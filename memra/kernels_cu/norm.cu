@@ -223,24 +223,34 @@ static __device__ __forceinline__ bool beats(float b, int ib, float a, int ia) {
 // A row's argmax in two launches, so a vocab-long row spreads over blocks: argmax_parts takes
 // grid (rows, parts), block y folding elements [y * span, (y + 1) * span) of its row into
 // (vals, idxs) [rows, parts]; argmax_rows (grid rows) picks the best part. beats is a total
-// order, so the split never changes the answer.
-extern "C" __global__ void argmax_parts(const float* x, float* vals, int* idxs, int n, int span) {
+// order, so the split never changes the answer. With sums (else null) each part also writes
+// the sum of exp(x - its best) over its elements (0 for a part of -inf alone), and argmax_rows
+// the softmax probability of the winner, 1 / sum_p sums_p exp(best_p - best), parts in order:
+// a greedy draft's confidence without a vocab-long probability row.
+extern "C" __global__ void argmax_parts(const float* x, float* vals, int* idxs, float* sums, int n, int span) {
     __shared__ float sv[MEMRA_BLOCK];
     __shared__ int si[MEMRA_BLOCK];
     const float* xr = row_in(x, n);
-    const int end = min(n, (blockIdx.y + 1) * span);
+    const int begin = blockIdx.y * span, end = min(n, begin + span);
+    const long long slot = (long long)blockIdx.x * gridDim.y + blockIdx.y;
     float best = __int_as_float(0xff800000);  // -inf
     int at = 0x7fffffff;  // sentinel: loses every tie against a real index
-    for (int k = blockIdx.y * span + threadIdx.x; k < end; k += MEMRA_BLOCK)
+    for (int k = begin + threadIdx.x; k < end; k += MEMRA_BLOCK)
         if (beats(xr[k], k, best, at)) { best = xr[k]; at = k; }
     block_best(best, at, sv, si, beats);
     if (threadIdx.x == 0) {
-        vals[blockIdx.x * gridDim.y + blockIdx.y] = best;
-        idxs[blockIdx.x * gridDim.y + blockIdx.y] = at;
+        vals[slot] = best;
+        idxs[slot] = at;
     }
+    if (sums == nullptr) return;  // uniform
+    float s = 0.0f;
+    for (int k = begin + threadIdx.x; k < end; k += MEMRA_BLOCK) s = s + expf(xr[k] - best);
+    s = block_sum(s, sv);
+    if (threadIdx.x == 0) sums[slot] = best == __int_as_float(0xff800000) ? 0.0f : s;
 }
 
-extern "C" __global__ void argmax_rows(const float* vals, const int* idxs, long long* out, int parts) {
+extern "C" __global__ void argmax_rows(const float* vals, const int* idxs, const float* sums,
+                                        long long* out, float* prob, int parts) {
     __shared__ float sv[MEMRA_BLOCK];
     __shared__ int si[MEMRA_BLOCK];
     float best = __int_as_float(0xff800000);
@@ -250,5 +260,15 @@ extern "C" __global__ void argmax_rows(const float* vals, const int* idxs, long 
         if (beats(vals[e], idxs[e], best, at)) { best = vals[e]; at = idxs[e]; }
     }
     block_best(best, at, sv, si, beats);
-    if (threadIdx.x == 0) out[blockIdx.x] = at;
+    if (threadIdx.x != 0) return;
+    out[blockIdx.x] = at;
+    if (sums == nullptr) return;
+    const float ninf = __int_as_float(0xff800000);
+    float s = 0.0f;
+    for (int k = 0; k < parts; ++k) {
+        const long long e = (long long)blockIdx.x * parts + k;
+        if (vals[e] != ninf) s = s + sums[e] * expf(vals[e] - best);
+    }
+    // a row of -inf alone has no softmax (numpy: 0 / 0); NaN and +inf rows come out NaN above
+    prob[blockIdx.x] = best == ninf ? __int_as_float(0x7fc00000) : 1.0f / s;
 }

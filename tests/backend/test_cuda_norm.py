@@ -1,5 +1,6 @@
 """The norm family on the GPU (NormOps, backend/cuda/norm.py -> kernels_cu/norm.cu): RMSNorm (plain
-and gated), LayerNorm, L2 norm, softmax, log-softmax and argmax, one row reduction each, and pick (a row's entry at a device index).
+and gated), LayerNorm, L2 norm, softmax, log-softmax and argmax (alone or with its softmax
+probability), one row reduction each, and pick (a row's entry at a device index).
 
 The table below runs through the shared gates of tests/backend/harness.py (numpy twin within
 each op's bound, t = 1..15 row invariance, red arms: a sum of squares split into t parts, a
@@ -36,6 +37,7 @@ TOL = {
     "softmax": (1e-5, 1e-8),
     "log_softmax": (1e-5, 1e-5),
     "argmax": (0.0, 0.0),
+    "argmax_prob": (1e-5, 1e-8),  # the id exact (an int); the probability's sum order differs
 }
 
 
@@ -89,6 +91,9 @@ CASES = [
     # past one argmax_parts block (ARGMAX_SPAN): the best of several parts, ties across parts
     case("argmax_parts", make_rows(x=(3 * ARGMAX_SPAN + 7, 1.0)), lambda be, r, s: be.argmax(r["x"])),
     case("argmax_parts_ties", _make_argmax_ties(2 * ARGMAX_SPAN + 1), lambda be, r, s: be.argmax(r["x"])),
+    case("argmax_prob", make_rows(x=(3 * ARGMAX_SPAN + 7, 3.0)), lambda be, r, s: be.argmax_prob(r["x"])),
+    case("argmax_prob_ties", _make_argmax_ties(2 * ARGMAX_SPAN + 1), lambda be, r, s: be.argmax_prob(r["x"])),
+    case("argmax_prob_one_part", make_rows(x=(1001, 3.0)), lambda be, r, s: be.argmax_prob(r["x"])),
 ]
 
 
@@ -105,6 +110,7 @@ class _SumOfSquaresSplitByRowCount(NormOps):
 
 class TestNormOps(OpGates):
     ops, tol, cases = NormOps, TOL, CASES
+    untabled = ("pick",)  # a gather: test_pick_... below
     red_arms = (RedArm("rmsnorm_sum_split_count_tied_to_t", CASES[0], _SumOfSquaresSplitByRowCount),)
     ulp_cases = ("rmsnorm", "softmax")
 
@@ -129,6 +135,25 @@ def test_pick_gathers_each_rows_entry_at_its_device_index_like_numpy():
     got = cp.asnumpy(NormOps().pick(cp.asarray(x), cp.asarray(idx, dtype=cp.int32)))
     assert np.array_equal(got, NumpyBackend().pick(x, idx))
     assert np.array_equal(got, x[np.arange(3)[:, None], np.arange(5)[None, :], idx])
+
+
+def test_argmax_prob_of_degenerate_rows_follows_numpys_softmax():
+    """A part of -inf alone adds nothing; a row of -inf alone, a NaN or a +inf has no softmax
+    (NaN, as numpy's); a peak far above the rest has probability 1."""
+    n = 3 * ARGMAX_SPAN
+    x = np.zeros((5, n), F32)
+    x[0, :ARGMAX_SPAN] = -np.inf  # the first part: -inf alone
+    x[1] = -np.inf
+    x[2, 5] = np.nan
+    x[3, 7] = np.inf
+    x[4, 9] = 200.0
+    ids, probs = NormOps().argmax_prob(cp.asarray(x))
+    want_ids, want = NumpyBackend().argmax_prob(x)
+    assert cp.asnumpy(ids).tolist() == want_ids.tolist() == [ARGMAX_SPAN, 0, 5, 7, 9]
+    got = cp.asnumpy(probs)
+    assert np.isnan(got[1:4]).all() and np.isnan(want[1:4]).all()
+    np.testing.assert_allclose(got[[0, 4]], want[[0, 4]], rtol=1e-5, atol=0)
+    assert got[4] == 1.0
 
 
 def test_wrapper_refuses_non_contiguous_or_wrongly_typed_inputs():

@@ -1,6 +1,7 @@
 """The norm family of the CUDA backend (kernels_cu/norm.cu): row reductions over the last axis.
 
-RMSNorm (plain and gated), LayerNorm, L2 norm, softmax, log-softmax and argmax, one block per
+RMSNorm (plain and gated), LayerNorm, L2 norm, softmax, log-softmax and argmax (with its softmax
+probability, for a greedy draft's confidence), one block per
 row, each row's reduction in a fixed order whatever the row count (exact class); the
 sum-of-squares norms give a prompt's short rows (at most NORM_WARP_ROW elements: a KDA head, a
 latent) a warp each, which plays the block's order: the same bits. A mixin of CudaBackend with
@@ -95,16 +96,28 @@ class NormOps:
 
     def argmax(self, x):
         """Row-wise argmax over the last axis (int64, the lowest index among ties, NaN first)."""
-        rows, n = rows_of(x, "x")
-        out = cp.empty(x.shape[:-1], cp.int64)
-        if rows:
-            parts = (n + ARGMAX_SPAN - 1) // ARGMAX_SPAN
-            vals, idxs = cp.empty((rows, parts), cp.float32), cp.empty((rows, parts), cp.int32)
-            launch("norm", "argmax_parts", (rows, parts), (BLOCK,), (x, vals, idxs, i32(n), i32(ARGMAX_SPAN)))
-            launch("norm", "argmax_rows", (rows,), (BLOCK,), (vals, idxs, out, i32(parts)))
-        return out
+        return _argmax(x, with_prob=False)[0]
+
+    def argmax_prob(self, x):
+        """(argmax, its softmax probability) per row: a greedy draft and its confidence, from
+        one pass over the row and without writing a probability row (NumpyBackend.argmax_prob)."""
+        return _argmax(x, with_prob=True)
 
     def pick(self, x, idx):
         """x [..., n], idx [...] (device ints in 0..n-1) -> x[..., idx]: each row's entry at its
         index (a gather, no arithmetic), without a trip through the host."""
         return cp.take_along_axis(x, idx.astype(cp.int64)[..., None], axis=-1)[..., 0]
+
+
+def _argmax(x, with_prob: bool):
+    """argmax_parts over ARGMAX_SPAN-element parts, then argmax_rows: (ids, probs or None)."""
+    rows, n = rows_of(x, "x")
+    out = cp.empty(x.shape[:-1], cp.int64)
+    prob = cp.empty(x.shape[:-1], cp.float32) if with_prob else None
+    if rows:
+        parts = (n + ARGMAX_SPAN - 1) // ARGMAX_SPAN
+        vals, idxs = cp.empty((rows, parts), cp.float32), cp.empty((rows, parts), cp.int32)
+        sums = cp.empty((rows, parts), cp.float32) if with_prob else None
+        launch("norm", "argmax_parts", (rows, parts), (BLOCK,), (x, vals, idxs, sums, i32(n), i32(ARGMAX_SPAN)))
+        launch("norm", "argmax_rows", (rows,), (BLOCK,), (vals, idxs, sums, out, prob, i32(parts)))
+    return out, prob

@@ -215,6 +215,23 @@ class NumpyBackend(NumpyKdaOps):
         ids = self.argmax(x)
         return ids, self.pick(self.softmax(x), ids)
 
+    def top_k(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(values [..., k], ids [..., k] int64): each row's k first entries in argmax's order (NaN
+        first, then larger values, ties to the lower index), in that order. A row without NaN takes
+        one partition, not a sort: a drafter asks this of vocab-long rows."""
+        n = x.shape[-1]
+        flat = x.reshape(-1, n)
+        ids = np.empty((flat.shape[0], k), np.int64)
+        for r, row in enumerate(flat):
+            nan = np.isnan(row)
+            if nan.any():
+                at = np.lexsort((np.arange(n), -np.where(nan, 0, row), ~nan))[:k]
+            else:
+                at = np.flatnonzero(row >= np.partition(row, n - k)[n - k])
+                at = at[np.lexsort((at, -row[at]))][:k]
+            ids[r] = at
+        return np.take_along_axis(flat, ids, axis=1).reshape(*x.shape[:-1], k), ids.reshape(*x.shape[:-1], k)
+
     def pick(self, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """x [..., n], idx [...] (ints in 0..n-1) -> x[..., idx]: each row's entry at its index."""
         return np.take_along_axis(x, np.asarray(idx, dtype=np.int64)[..., None], axis=-1)[..., 0]

@@ -272,3 +272,49 @@ extern "C" __global__ void argmax_rows(const float* vals, const int* idxs, const
     // a row of -inf alone has no softmax (numpy: 0 / 0); NaN and +inf rows come out NaN above
     prob[blockIdx.x] = best == ninf ? __int_as_float(0x7fc00000) : 1.0f / s;
 }
+
+// A row's k first entries in beats' order (NaN first, then larger values, ties to the lower
+// index), in that order, over two launches as argmax: top_k_parts (grid (rows, parts)) writes
+// each ARGMAX_SPAN part's k first to (vals, idxs) [rows, parts, k], top_k_rows (grid rows) the
+// row's k first among them. Pick j is the best entry that ranks after pick j - 1: beats is a
+// strict total order, so no entry is marked and the split never changes the answer. A part with
+// fewer than k entries pads with (-inf, INT_MAX), which no entry ranks after and every entry beats.
+// Candidates v [count] with ids (or, ids null, first + e); outputs as 32- or 64-bit ids.
+static __device__ void top_k_pass(const float* v, const int* ids, int first, int count, int k,
+                                  float* out_v, int* out_i, long long* out_l, float* sv, int* si) {
+    float pv = 0.0f;
+    int pi = 0;
+    for (int j = 0; j < k; ++j) {
+        float best = __int_as_float(0xff800000);
+        int bi = 0x7fffffff;
+        for (int e = threadIdx.x; e < count; e += MEMRA_BLOCK) {
+            const float x = v[e];
+            const int i = ids == nullptr ? first + e : ids[e];
+            if ((j == 0 || beats(pv, pi, x, i)) && beats(x, i, best, bi)) { best = x; bi = i; }
+        }
+        block_best(best, bi, sv, si, beats);
+        if (threadIdx.x == 0) {
+            if (out_v != nullptr) out_v[j] = best;
+            if (out_i != nullptr) out_i[j] = bi;
+            if (out_l != nullptr) out_l[j] = bi;
+        }
+        pv = best;
+        pi = bi;
+    }
+}
+
+extern "C" __global__ void top_k_parts(const float* x, float* vals, int* idxs, int n, int span, int k) {
+    __shared__ float sv[MEMRA_BLOCK];
+    __shared__ int si[MEMRA_BLOCK];
+    const int begin = blockIdx.y * span, count = min(n, begin + span) - begin;
+    const long long slot = ((long long)blockIdx.x * gridDim.y + blockIdx.y) * k;
+    top_k_pass(row_in(x, n) + begin, nullptr, begin, count, k, vals + slot, idxs + slot, nullptr, sv, si);
+}
+
+extern "C" __global__ void top_k_rows(const float* vals, const int* idxs, float* out_v, long long* out_i,
+                                      int candidates, int k) {
+    __shared__ float sv[MEMRA_BLOCK];
+    __shared__ int si[MEMRA_BLOCK];
+    const long long row = (long long)blockIdx.x * candidates, out = (long long)blockIdx.x * k;
+    top_k_pass(vals + row, idxs + row, 0, candidates, k, out_v + out, nullptr, out_i + out, sv, si);
+}

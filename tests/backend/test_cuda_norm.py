@@ -1,6 +1,6 @@
 """The norm family on the GPU (NormOps, backend/cuda/norm.py -> kernels_cu/norm.cu): RMSNorm (plain
 and gated), LayerNorm, L2 norm, softmax, log-softmax and argmax (alone or with its softmax
-probability), one row reduction each, and pick (a row's entry at a device index).
+probability), one row reduction each, top-k (a drafter's candidates), and pick (a row's entry at a device index).
 
 The table below runs through the shared gates of tests/backend/harness.py (numpy twin within
 each op's bound, t = 1..15 row invariance, red arms: a sum of squares split into t parts, a
@@ -37,7 +37,8 @@ TOL = {
     "softmax": (1e-5, 1e-8),
     "log_softmax": (1e-5, 1e-5),
     "argmax": (0.0, 0.0),
-    "argmax_prob": (1e-5, 1e-8),  # the id exact (an int); the probability's sum order differs
+    "argmax_prob": (1e-5, 1e-8),
+    "top_k": (0.0, 0.0),  # picks: values and ids exact  # the id exact (an int); the probability's sum order differs
 }
 
 
@@ -94,6 +95,10 @@ CASES = [
     case("argmax_prob", make_rows(x=(3 * ARGMAX_SPAN + 7, 3.0)), lambda be, r, s: be.argmax_prob(r["x"])),
     case("argmax_prob_ties", _make_argmax_ties(2 * ARGMAX_SPAN + 1), lambda be, r, s: be.argmax_prob(r["x"])),
     case("argmax_prob_one_part", make_rows(x=(1001, 3.0)), lambda be, r, s: be.argmax_prob(r["x"])),
+    case("top_k", make_rows(x=(3 * ARGMAX_SPAN + 7, 1.0)), lambda be, r, s: be.top_k(r["x"], 16)),
+    # ties within and across parts; k past a part's worth of distinct values
+    case("top_k_ties", _make_argmax_ties(2 * ARGMAX_SPAN + 1), lambda be, r, s: be.top_k(r["x"], 40)),
+    case("top_k_short_row", make_rows(x=(5, 1.0)), lambda be, r, s: be.top_k(r["x"], 5)),
 ]
 
 
@@ -154,6 +159,22 @@ def test_argmax_prob_of_degenerate_rows_follows_numpys_softmax():
     assert np.isnan(got[1:4]).all() and np.isnan(want[1:4]).all()
     np.testing.assert_allclose(got[[0, 4]], want[[0, 4]], rtol=1e-5, atol=0)
     assert got[4] == 1.0
+
+
+def test_top_k_of_degenerate_rows_follows_the_numpy_twin():
+    """NaN first (by index), +inf, then values; a part of -inf alone; -0 and +0 tie to the lower id."""
+    n = 2 * ARGMAX_SPAN + 3
+    x = np.full((3, n), -np.inf, F32)
+    x[0, [9, ARGMAX_SPAN + 1]] = np.nan
+    x[0, [3, n - 1]] = np.inf
+    x[1, ARGMAX_SPAN:] = 1.0
+    x[2, [ARGMAX_SPAN + 2, 4]] = [-0.0, 0.0]
+    vals, ids = NormOps().top_k(cp.asarray(x), 6)
+    want_vals, want_ids = NumpyBackend().top_k(x, 6)
+    assert cp.asnumpy(ids).tolist() == want_ids.tolist()
+    assert np.array_equal(cp.asnumpy(vals), want_vals, equal_nan=True)
+    assert want_ids[0, :4].tolist() == [9, ARGMAX_SPAN + 1, 3, n - 1]
+    assert want_ids[2, :2].tolist() == [4, ARGMAX_SPAN + 2]
 
 
 def test_wrapper_refuses_non_contiguous_or_wrongly_typed_inputs():

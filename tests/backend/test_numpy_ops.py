@@ -179,6 +179,7 @@ ROW_CASES = [
     _case("softmax", _make_rows_only(x=(256, 3.0)), lambda be, r, s, _: be.softmax(r["x"])),
     _case("log_softmax", _make_rows_only(x=(256, 3.0)), lambda be, r, s, _: be.log_softmax(r["x"])),
     _case("argmax", _make_argmax, lambda be, r, s, _: be.argmax(r["x"])),
+    _case("top_k", _make_argmax, lambda be, r, s, _: be.top_k(r["x"], 9)),
     _case("argmax_prob", _make_argmax, lambda be, r, s, _: be.argmax_prob(r["x"])),
     _case("pick", _make_pick, lambda be, r, s, _: be.pick(r["x"], r["idx"])),
     _case("kda_gate_lower_bound", _make_kda_gate,

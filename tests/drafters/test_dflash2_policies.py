@@ -23,6 +23,7 @@ from memra.drafters.dflash2.harvest import (
     resolve_harvest,
 )
 from memra.drafters.dflash2.heads import ConfidenceHead, MarkovHead
+from memra.backend.numpy_ref import NumpyBackend
 from memra.drafters.dflash2.selector import Selector, _top_candidates_skipping_nan, softmax, top_candidates
 from memra.errors import ConfigError, InputError
 
@@ -163,6 +164,42 @@ def test_top_candidates_equal_the_argpartition_reference_on_ties_infinities_and_
     row = np.asarray(values, np.float64)
     got, want = top_candidates(row, k), _top_candidates_skipping_nan(row, min(k, row.size))
     assert np.array_equal(got[1], want[1]) and np.array_equal(got[0], want[0], equal_nan=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([-np.inf, -2.0, -0.0, 0.0, 1.0, 1.5, np.inf, np.nan]), min_size=1, max_size=40),
+       st.integers(1, 45))
+def test_backend_top_k_is_the_first_k_of_argmaxs_order(values, k):
+    """NumpyBackend.top_k (the CUDA kernels' twin) against the whole row sorted by argmax's order:
+    NaN first, then larger values, ties (+-0 too) to the lower id; equal to top_candidates on a
+    row without NaN, so the selector's candidates do not depend on where they were taken."""
+    row = np.asarray(values, np.float32)
+    k = min(k, row.size)
+    vals, ids = NumpyBackend().top_k(row[None], k)
+    nan = np.isnan(row)
+    order = sorted(range(row.size), key=lambda i: (not nan[i], 0.0 if nan[i] else -float(row[i]), i))[:k]
+    assert ids[0].tolist() == order
+    assert np.array_equal(vals[0], row[order], equal_nan=True)
+    if not nan.any():
+        assert ids[0].tolist() == top_candidates(row.astype(np.float64), k)[1].tolist()
+
+
+@pytest.mark.parametrize("coupled", [True, False])
+@pytest.mark.parametrize("uniforms", [None, [0.0, 0.3, 0.999, 0.6]])
+def test_walk_over_candidates_taken_up_front_is_the_walk_over_the_rows(coupled, uniforms):
+    """The walk given be.top_k's candidates (no vocab row on the host, codebook rows gathered
+    once) takes the same path, confidences and q as the walk that takes them row by row."""
+    rng = np.random.default_rng(5)
+    v, h, r, k, n, anchor = 40, 6, 3, 5, 4, 7
+    sel = _selector(rng, v, h, r, k) if coupled else Selector(None, None, None, k)
+    logits, hidden = rng.standard_normal((n, v)).astype(np.float32), rng.standard_normal((n, h))
+    logits[1, :8] = logits[1, 0]  # ties among the candidates
+    want = sel.walk(logits, hidden, anchor, uniforms, 0.8)
+    got = sel.walk(logits, hidden, anchor, uniforms, 0.8, top=NumpyBackend().top_k(logits, k))
+    assert got.path == want.path and got.confidences == want.confidences
+    assert np.array_equal(got.q.cand, want.q.cand) and np.array_equal(got.q.q_rows, want.q.q_rows)
+    with pytest.raises(InputError, match="row bias"):
+        sel.walk(logits, hidden, anchor, top=NumpyBackend().top_k(logits, k), row_bias=lambda i, p: np.zeros(v))
 
 
 def _selector(rng, v, h, r, k, zero=None):

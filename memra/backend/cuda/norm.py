@@ -1,7 +1,7 @@
 """The norm family of the CUDA backend (kernels_cu/norm.cu): row reductions over the last axis.
 
-RMSNorm (plain and gated), LayerNorm, L2 norm, softmax, log-softmax and argmax (with its softmax
-probability, for a greedy draft's confidence), one block per
+RMSNorm (plain and gated), LayerNorm, L2 norm, softmax, log-softmax, argmax (with its softmax
+probability, for a greedy draft's confidence) and top-k (a drafter's candidates), one block per
 row, each row's reduction in a fixed order whatever the row count (exact class); the
 sum-of-squares norms give a prompt's short rows (at most NORM_WARP_ROW elements: a KDA head, a
 latent) a warp each, which plays the block's order: the same bits. A mixin of CudaBackend with
@@ -102,6 +102,21 @@ class NormOps:
         """(argmax, its softmax probability) per row: a greedy draft and its confidence, from
         one pass over the row and without writing a probability row (NumpyBackend.argmax_prob)."""
         return _argmax(x, with_prob=True)
+
+    def top_k(self, x, k: int):
+        """(values [..., k], ids [..., k] int64): each row's k first entries in argmax's order (NaN
+        first, then larger values, ties to the lower index), in that order (NumpyBackend.top_k).
+        Two launches whatever the row length, and no vocab-long row leaves the device; each pick
+        is a block reduction, so k is meant small (a drafter's candidates: 16)."""
+        rows, n = rows_of(x, "x")
+        assert 1 <= k <= n, f"top_k: k={k} outside 1..{n} for rows of {n}"
+        vals, ids = cp.empty((*x.shape[:-1], k), cp.float32), cp.empty((*x.shape[:-1], k), cp.int64)
+        if rows:
+            parts = (n + ARGMAX_SPAN - 1) // ARGMAX_SPAN
+            pv, pi = cp.empty((rows, parts, k), cp.float32), cp.empty((rows, parts, k), cp.int32)
+            launch("norm", "top_k_parts", (rows, parts), (BLOCK,), (x, pv, pi, i32(n), i32(ARGMAX_SPAN), i32(k)))
+            launch("norm", "top_k_rows", (rows,), (BLOCK,), (pv, pi, vals, ids, i32(parts * k), i32(k)))
+        return vals, ids
 
     def pick(self, x, idx):
         """x [..., n], idx [...] (device ints in 0..n-1) -> x[..., idx]: each row's entry at its

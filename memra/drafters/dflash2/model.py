@@ -10,7 +10,8 @@ state between rounds. A DFlash v1 / DSpark checkpoint (`family == "dflash"`, the
 has no convs: its sublayers are the plain pre-norm residual ones.
 
 The drafter is not in the exact class (the target verifies every token), so it computes in
-float32 with the array module's own GEMMs: numpy, or cupy on the CUDA backend.
+float32 with the array module's own GEMMs (numpy, or cupy on the CUDA backend) and the backend's
+row ops (rmsnorm, softmax, silu): a draft round is bound by its host's launches, one op each.
 
     draft = DflashDraft.load(dir, target_model, precision="q8_0")
     kv = draft.new_kv(max_ctx)
@@ -46,10 +47,10 @@ def conv_rows(xp, z, base, coef, group: int):
     out[t, c] = sum_j (base[j, c] + coef[t, j, c // group]) * z[t - j, c], z[t - j] = 0 for t < j.
     z [b, H]; base [k, H]; coef [b, k, H/group].
     """
-    out = z * (base[0] + xp.repeat(coef[:, 0], group, axis=1))
+    coef = xp.repeat(coef, group, axis=2)  # [b, k, H]: every tap's channels at once
+    out = z * (base[0] + coef[:, 0])
     for j in range(1, min(base.shape[0], z.shape[0])):
-        w = base[j] + xp.repeat(coef[j:, j], group, axis=1)
-        out[j:] += w * z[:-j]
+        out[j:] += (base[j] + coef[j:, j]) * z[:-j]
     return out
 
 
@@ -61,6 +62,29 @@ class DflashKv:
         self.len = 0
         self.k = [xp.zeros((max_ctx, n_kv, head_dim), F32) for _ in range(n_layers)]
         self.v = [xp.zeros((max_ctx, n_kv, head_dim), F32) for _ in range(n_layers)]
+
+
+class _Visibility:
+    """A block's attention masks over [context + block] keys, one upload per distinct rule (causal,
+    window), None where every block row sees every key. Block row i sits at cache index n + i."""
+
+    def __init__(self, xp, n: int, b: int):
+        self.xp, self.n, self.b, self.made = xp, n, b, {}
+
+    def __call__(self, causal: bool, window, first: int, keys: int):
+        if not causal and window is None:
+            return None
+        rule = (causal, window, first, keys)
+        if rule not in self.made:
+            q_idx = self.n + np.arange(self.b)[:, None]
+            k_idx = first + np.arange(keys)[None, :]
+            visible = np.ones((self.b, keys), dtype=bool)
+            if causal:
+                visible &= k_idx <= q_idx
+            if window is not None:
+                visible &= np.abs(q_idx - k_idx) < window
+            self.made[rule] = self.xp.asarray(visible)
+        return self.made[rule]
 
 
 class _Layer:
@@ -177,7 +201,7 @@ class DflashDraft:
         c = self.cfg
         for li, layer in enumerate(self.layers):
             k = self._rmsnorm((feats @ layer.wk.T).reshape(n, c.num_key_value_heads, c.head_dim), layer.k_norm)
-            kv.k[li][kv.len:kv.len + n] = apply_rope(k, cos, sin)
+            kv.k[li][kv.len:kv.len + n] = apply_rope(k, cos, sin, self.xp)
             kv.v[li][kv.len:kv.len + n] = (feats @ layer.wv.T).reshape(n, c.num_key_value_heads, c.head_dim)
         kv.len += n
 
@@ -202,13 +226,15 @@ class DflashDraft:
                              f"{kv.len} cached context rows (the block follows its context)")
         xp, c = self.xp, self.cfg
         h = xp.array(self.be.embed(self.target.embed_table, ids), dtype=F32)
-        if self.mask_embedding is not None:
-            h[xp.asarray(ids == c.mask_token_id)] = self.mask_embedding
+        if self.mask_embedding is not None:  # integer rows: a boolean index would sync on its count
+            h[xp.asarray(np.flatnonzero(ids == c.mask_token_id))] = self.mask_embedding
         h = h * F32(c.input_embedding_scale)
         cos, sin = self._cos_sin(np.arange(start_pos, start_pos + ids.size))
+        masks = _Visibility(xp, kv.len, ids.size)
         for li, layer in enumerate(self.layers):
             x = self._rmsnorm(h, layer.ln_in)
-            h = h + self._convolved(layer.attn_base, layer.attn_proj, x, self._attention, li, layer, kv, cos, sin)
+            h = h + self._convolved(layer.attn_base, layer.attn_proj, x, self._attention, li, layer, kv, cos, sin,
+                                    masks)
             x = self._rmsnorm(h, layer.ln_post)
             h = h + self._convolved(layer.mlp_base, layer.mlp_proj, x, self._mlp, layer)
         return self._rmsnorm(h, self.norm)
@@ -223,42 +249,33 @@ class DflashDraft:
         y = sublayer(conv_rows(self.xp, x, base[0], coef[:, 0], c.conv_group_size), *args)
         return conv_rows(self.xp, y, base[1], coef[:, 1], c.conv_group_size)
 
-    def _attention(self, x, li: int, layer: _Layer, kv: DflashKv, cos, sin):
+    def _attention(self, x, li: int, layer: _Layer, kv: DflashKv, cos, sin, masks):
         xp, c = self.xp, self.cfg
         b, nh, nkv, hd = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q = apply_rope(self._rmsnorm((x @ layer.wq.T).reshape(b, nh, hd), layer.q_norm), cos, sin)
-        k = apply_rope(self._rmsnorm((x @ layer.wk.T).reshape(b, nkv, hd), layer.k_norm), cos, sin)
+        q = apply_rope(self._rmsnorm((x @ layer.wq.T).reshape(b, nh, hd), layer.q_norm), cos, sin, xp)
+        k = apply_rope(self._rmsnorm((x @ layer.wk.T).reshape(b, nkv, hd), layer.k_norm), cos, sin, xp)
         v = (x @ layer.wv.T).reshape(b, nkv, hd)
         window = c.sliding_window if c.layer_sliding[li] else None
         first = 0 if window is None else max(0, kv.len - window + 1)  # no block row sees further back
         keys = xp.concatenate([kv.k[li][first:kv.len], k])
         values = xp.concatenate([kv.v[li][first:kv.len], v])
-        # visibility in cache-index units: block row i sits at index kv.len + i
-        q_idx = kv.len + np.arange(b)[:, None]
-        k_idx = first + np.arange(keys.shape[0])[None, :]
-        visible = np.ones((b, keys.shape[0]), dtype=bool)
-        if c.layer_causal[li]:
-            visible &= k_idx <= q_idx
-        if window is not None:
-            visible &= np.abs(q_idx - k_idx) < window
+        visible = masks(c.layer_causal[li], window, first, keys.shape[0])
         rep = nh // nkv
         qg = q.reshape(b, nkv, rep, hd).transpose(1, 2, 0, 3)                    # [nkv, rep, b, hd]
         scores = (qg @ keys.transpose(1, 2, 0)[:, None]) * F32(hd ** -0.5)     # [nkv, rep, b, n]
-        scores = xp.where(xp.asarray(visible), scores, F32(-np.inf))
-        scores = xp.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs = scores / scores.sum(axis=-1, keepdims=True)
+        if visible is not None:
+            scores = xp.where(visible, scores, F32(-np.inf))
+        probs = self.be.softmax(scores)
         out = probs @ values.transpose(1, 0, 2)[:, None]                        # [nkv, rep, b, hd]
         return out.transpose(2, 0, 1, 3).reshape(b, nh * hd) @ layer.wo.T
 
     def _mlp(self, x, layer: _Layer):
-        gate = x @ layer.w_gate.T
-        e = self.xp.exp(-self.xp.abs(gate))  # silu without overflow: exp only sees -|x|
-        silu = gate * self.xp.where(gate >= 0, 1 / (1 + e), e / (1 + e))
-        return (silu * (x @ layer.w_up.T)) @ layer.w_down.T
+        return (self.be.silu(x @ layer.w_gate.T) * (x @ layer.w_up.T)) @ layer.w_down.T
 
     def _rmsnorm(self, x, w):
-        ms = (x * x).mean(axis=-1, keepdims=True)
-        return x * (1 / self.xp.sqrt(ms + F32(self.cfg.rms_norm_eps))) * w
+        """The backend's rmsnorm: one launch on the GPU where the array arithmetic took seven
+        (a draft round is bound by its host's launches, not its GPU time)."""
+        return self.be.rmsnorm(x, w, self.cfg.rms_norm_eps)
 
     def _cos_sin(self, positions):
         cos, sin = cos_sin(self.inv_freq, self.cfg.rope.mscale, positions)

@@ -7,7 +7,7 @@ half of each head pairs with the second half.
 
     inv = inv_freq(cfg.rope, cfg.head_dim)                 # float64 [hd/2]
     cos, sin = cos_sin(inv, cfg.rope.mscale, positions)    # float32 [n, hd]
-    q = apply_rope(q, cos, sin)                            # q [n, heads, hd]
+    q = apply_rope(q, cos, sin, xp)                        # q [n, heads, hd]
 """
 
 from __future__ import annotations
@@ -59,10 +59,8 @@ def cos_sin(inv: np.ndarray, mscale: float, positions) -> tuple[np.ndarray, np.n
     return (np.cos(angles) * mscale).astype(np.float32), (np.sin(angles) * mscale).astype(np.float32)
 
 
-def apply_rope(x, cos, sin):
-    """x [n, heads, hd] (numpy or cupy) rotated with cos/sin [n, hd] of the same module."""
+def apply_rope(x, cos, sin, xp=np):
+    """x [n, heads, hd] rotated with cos/sin [n, hd], all arrays of module xp (numpy or cupy)."""
     half = x.shape[-1] // 2
-    rotated = x.copy()
-    rotated[..., :half] = -x[..., half:]
-    rotated[..., half:] = x[..., :half]
+    rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

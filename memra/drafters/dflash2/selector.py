@@ -119,32 +119,44 @@ class Selector:
         """score(pred, .) over one row's candidates [K]."""
         if z_row is None:
             return u
-        p = take_rows(self.pred, int(pred))
-        s = take_rows(self.succ, cand)
-        return u + s @ (p * z_row)
+        return _coupled(u, take_rows(self.succ, cand), z_row, take_rows(self.pred, int(pred)))
 
     def walk(self, logits, hidden, anchor: int, uniforms: Sequence[float] | None = None,
-             temperature: float = 1.0, row_bias: Callable[[int, int], np.ndarray] | None = None) -> Walk:
+             temperature: float = 1.0, row_bias: Callable[[int, int], np.ndarray] | None = None,
+             top=None) -> Walk:
         """Walk the rows of `logits` [n, V] (draft logits of the harvested rows `hidden` [n, H]).
-        Greedy when `uniforms` is None, else one uniform in [0, 1) per row."""
-        logits = to_host(logits).astype(np.float64)
-        n = logits.shape[0]
+        Greedy when `uniforms` is None, else one uniform in [0, 1) per row. `top`: the rows'
+        candidates (values, ids) [n, K] already taken where the logits live (be.top_k, the same
+        order as top_candidates), so the vocab-long rows never come to the host and the
+        codebook rows of every candidate come over in one gather each; not with `row_bias`,
+        which moves a row's candidates with its predecessor."""
+        n, vocab = logits.shape
         if uniforms is not None:
             if len(uniforms) < n:
                 raise InputError(f"selector walk: {len(uniforms)} uniforms for {n} rows; give one per row")
             if not temperature > 0:
                 raise InputError(f"selector walk: sampled temperature {temperature!r} must be > 0 "
                                  "(temperature 0 is the greedy walk: pass uniforms=None)")
+        if top is not None and row_bias is not None:
+            raise InputError("selector walk: candidates taken before the walk cannot follow a row bias")
         z = self.gate(hidden)
-        k = min(self.top_k, logits.shape[1])
-        cand = np.zeros((n, k), dtype=np.int64)
+        k = min(self.top_k, vocab)
+        if top is None:
+            logits = to_host(logits).astype(np.float64)
+            values, cand, coupled = None, np.zeros((n, k), dtype=np.int64), None
+        else:
+            values, cand = to_host(top[0]).astype(np.float64), to_host(top[1]).astype(np.int64)
+            coupled = self._codebook_rows([int(anchor)] + cand[:-1].ravel().tolist(), cand) if z is not None else None
         q_rows = np.zeros((n, k), dtype=np.float64)
         path, confidences = [], []
         pred = int(anchor)
         for i in range(n):
-            row = logits[i] if row_bias is None else logits[i] + to_host(row_bias(i, pred))
-            u, cand[i] = top_candidates(row, k)
-            score = self.scores(u, cand[i], None if z is None else z[i], pred)
+            if values is None:
+                row = logits[i] if row_bias is None else logits[i] + to_host(row_bias(i, pred))
+                u, cand[i] = top_candidates(row, k)
+                score = self.scores(u, cand[i], None if z is None else z[i], pred)
+            else:
+                score = values[i] if z is None else _coupled(values[i], coupled[1][i], z[i], coupled[0][pred])
             if uniforms is None:
                 idx = int(np.argmax(score))
                 q_rows[i, idx] = 1.0
@@ -155,3 +167,15 @@ class Selector:
             pred = int(cand[i, idx])
             path.append(pred)
         return Walk(path, confidences, SparseQ(cand, q_rows))
+
+    def _codebook_rows(self, preds: list[int], cand: np.ndarray):
+        """({pred id: its predecessor-codebook row}, successor rows [n, K, r]) for every possible
+        predecessor and every candidate: two gathers where the codebooks live."""
+        ids = sorted(set(preds))
+        p = dict(zip(ids, take_rows(self.pred, np.asarray(ids, dtype=np.int64))))
+        return p, take_rows(self.succ, cand.ravel()).reshape(*cand.shape, -1)
+
+
+def _coupled(u: np.ndarray, s: np.ndarray, z_row, p: np.ndarray) -> np.ndarray:
+    """u + S[cand] (P[pred] * z): the candidates' unary scores plus the transition term."""
+    return u + s @ (p * z_row)

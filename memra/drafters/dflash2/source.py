@@ -211,7 +211,9 @@ class DFlash2State:
         if sampling is not None:
             temperature = float(sampling.params.temperature)
             uniforms = [sampling.streams.accept_uniform() for _ in range(rows.shape[0])]
-        return d.selector.walk(logits, rows, self.anchor, uniforms, temperature, bias)
+        # without a row bias every row's candidates are known up front: taken where the logits are
+        top = None if bias is not None else d.draft.be.top_k(logits, min(d.selector.top_k, logits.shape[1]))
+        return d.selector.walk(logits, rows, self.anchor, uniforms, temperature, bias, top)
 
     def commit(self, outcome: RoundOutcome) -> None:
         """Queue the kept verify rows' taps (anchor + accepted drafts) as the next context rows."""

@@ -11,68 +11,17 @@ static __device__ __forceinline__ float hc_warp_sum(float v) {
     return v;
 }
 
-// hc_weights holds the N x N mix in one warp: entry e = a N + b in lane e % 32, slot e / 32 of
-// its c[]. N is a template argument so the Sinkhorn chain is straight-line code: its steps are
-// serial, one warp runs them, and each instruction's latency is paid in full.
-template <int N>
-struct HcMix {
-    static constexpr int SLOTS = (N * N + 31) / 32;
-    float c[SLOTS];
-
-    // Entry e from the lane holding it; every lane calls it (a warp-wide shuffle).
-    __device__ __forceinline__ float entry(int e) const {
-        const float v0 = __shfl_sync(0xffffffffu, c[0], e & 31);
-        if (SLOTS == 1) return v0;
-        const float v1 = __shfl_sync(0xffffffffu, c[SLOTS - 1], e & 31);
-        return e < 32 ? v0 : v1;
+// Thread (a, b) of the n x n mixing matrix c (shared): c[a, b] /= (sum of its column + eps),
+// or of its row; every thread of a column (row) adds it in ascending order, the same bits.
+static __device__ void hc_normalise(float* c, int n, int a, int b, bool columns, float eps) {
+    float s = 0.0f;
+    if (a < n) {
+        s = columns ? c[b] : c[a * n];
+        for (int i = 1; i < n; ++i) s += columns ? c[i * n + b] : c[a * n + i];
     }
-
-    // Every entry (a, b) /= (the sum of its column + eps), or of its row; every lane adds the
-    // column (row) in ascending order, the same bits in each. All sums precede any change.
-    __device__ __forceinline__ void normalise(bool columns, float eps) {
-        float s[SLOTS];
-#pragma unroll
-        for (int q = 0; q < SLOTS; ++q) {
-            const int e = (threadIdx.x & 31) + 32 * q, a = e / N, b = e % N;
-            float sum = entry(columns ? b : a * N);
-#pragma unroll
-            for (int i = 1; i < N; ++i) sum += entry(columns ? i * N + b : a * N + i);
-            s[q] = sum;
-        }
-#pragma unroll
-        for (int q = 0; q < SLOTS; ++q) c[q] = c[q] / (s[q] + eps);  // lanes past N * N: unread
-    }
-};
-
-// comb [N, N] of one row from its logits mc [N, N] (m * inv * scale + base): a row softmax + eps,
-// then the column normalisation, iters - 1 times (rows, columns), in the reference's order.
-template <int N>
-static __device__ void hc_sinkhorn(const float* mc, const float* bc, float inv, float scale, float hc_eps,
-                                   int iters, float* comb) {
-    const int lane = threadIdx.x & 31;
-    HcMix<N> mix;
-#pragma unroll
-    for (int q = 0; q < HcMix<N>::SLOTS; ++q) {
-        const int e = lane + 32 * q, a = e / N, b = e % N;
-        mix.c[q] = 0.0f;
-        if (a < N) {  // each entry of row a walks the row in order
-            float mx = __int_as_float(0xff800000);  // -inf (no host math.h under NVRTC)
-#pragma unroll
-            for (int i = 0; i < N; ++i) mx = fmaxf(mx, mc[a * N + i] * inv * scale + bc[a * N + i]);
-            float s = 0.0f;
-#pragma unroll
-            for (int i = 0; i < N; ++i) s += expf(mc[a * N + i] * inv * scale + bc[a * N + i] - mx);
-            mix.c[q] = expf(mc[e] * inv * scale + bc[e] - mx) / s + hc_eps;
-        }
-    }
-    mix.normalise(true, hc_eps);
-    for (int it = 1; it < iters; ++it) {
-        mix.normalise(false, hc_eps);
-        mix.normalise(true, hc_eps);
-    }
-#pragma unroll
-    for (int q = 0; q < HcMix<N>::SLOTS; ++q)
-        if (lane + 32 * q < N * N) comb[lane + 32 * q] = mix.c[q];
+    __syncthreads();  // every sum is read before any entry changes
+    if (a < n) c[a * n + b] = c[a * n + b] / (s + eps);
+    __syncthreads();
 }
 
 // Site weights in two launches, so the (2+n)n x nD matvec spreads over many blocks instead of
@@ -121,40 +70,45 @@ extern "C" __global__ void hc_partials(const float* __restrict__ streams, const 
     }
 }
 
-// grid (t), block 32 (one warp: HcMix). base [(2+n)n]; scale [3].
+// grid (t), block HC_MAX_N^2: thread (a, b) = (tid / n, tid % n). base [(2+n)n]; scale [3].
 // Outputs pre [t, n], post [t, n], comb [t, n, n], in the reference's operation order.
 extern "C" __global__ void hc_weights(const float* __restrict__ part, const float* __restrict__ base,
                                       const float* __restrict__ scale, float* __restrict__ pre,
                                       float* __restrict__ post, float* __restrict__ comb, int n,
                                       int d, int chunks, float rms_eps, float hc_eps, int iters) {
     __shared__ float m[HC_MAX_OUTS + 1];
-    const int r = blockIdx.x, outs = (2 + n) * n, lane = threadIdx.x & 31;
+    __shared__ float c[HC_MAX_N * HC_MAX_N];
+    const int r = blockIdx.x, outs = (2 + n) * n, a = threadIdx.x / n, b = threadIdx.x % n;
     const float* p = part + (long long)r * chunks * (outs + 1);
-    for (int j = lane; j <= outs; j += 32) {
+    for (int j = threadIdx.x; j <= outs; j += blockDim.x) {
         float sum = p[j];
         for (int k = 1; k < chunks; ++k) sum += p[(long long)k * (outs + 1) + j];
         m[j] = sum;
     }
-    __syncwarp();
+    __syncthreads();
     const float inv = 1.0f / sqrtf(m[outs] / (float)(n * d) + rms_eps);
-    if (lane < n) {
-        pre[r * n + lane] = sigmoidf_stable(m[lane] * inv * scale[0] + base[lane]) + hc_eps;
-        post[r * n + lane] = 2.0f * sigmoidf_stable(m[n + lane] * inv * scale[1] + base[n + lane]);
+    if (threadIdx.x < n) {
+        const int i = threadIdx.x;
+        pre[r * n + i] = sigmoidf_stable(m[i] * inv * scale[0] + base[i]) + hc_eps;
+        post[r * n + i] = 2.0f * sigmoidf_stable(m[n + i] * inv * scale[1] + base[n + i]);
     }
-    const float* mc = m + 2 * n;
-    const float* bc = base + 2 * n;
-    float* out = comb + (long long)r * n * n;
-    static_assert(HC_MAX_N == 8, "one case per stream count below");
-    switch (n) {
-        case 1: hc_sinkhorn<1>(mc, bc, inv, scale[2], hc_eps, iters, out); break;
-        case 2: hc_sinkhorn<2>(mc, bc, inv, scale[2], hc_eps, iters, out); break;
-        case 3: hc_sinkhorn<3>(mc, bc, inv, scale[2], hc_eps, iters, out); break;
-        case 4: hc_sinkhorn<4>(mc, bc, inv, scale[2], hc_eps, iters, out); break;
-        case 5: hc_sinkhorn<5>(mc, bc, inv, scale[2], hc_eps, iters, out); break;
-        case 6: hc_sinkhorn<6>(mc, bc, inv, scale[2], hc_eps, iters, out); break;
-        case 7: hc_sinkhorn<7>(mc, bc, inv, scale[2], hc_eps, iters, out); break;
-        default: hc_sinkhorn<8>(mc, bc, inv, scale[2], hc_eps, iters, out); break;
+    // c = row softmax of the logits + eps: each thread of row a walks the row in order
+    if (a < n) {
+        const float* mc = m + 2 * n + a * n;
+        const float* bc = base + 2 * n + a * n;
+        float mx = __int_as_float(0xff800000);  // -inf (no host math.h under NVRTC)
+        for (int i = 0; i < n; ++i) mx = fmaxf(mx, mc[i] * inv * scale[2] + bc[i]);
+        float s = 0.0f;
+        for (int i = 0; i < n; ++i) s += expf(mc[i] * inv * scale[2] + bc[i] - mx);
+        c[a * n + b] = expf(mc[b] * inv * scale[2] + bc[b] - mx) / s + hc_eps;
     }
+    __syncthreads();
+    hc_normalise(c, n, a, b, true, hc_eps);
+    for (int it = 1; it < iters; ++it) {
+        hc_normalise(c, n, a, b, false, hc_eps);
+        hc_normalise(c, n, a, b, true, hc_eps);
+    }
+    if (a < n) comb[(long long)r * n * n + a * n + b] = c[a * n + b];
 }
 
 // The per-channel kernels below: grid runtime.columns_grid(t, D), for_column_rows's layout

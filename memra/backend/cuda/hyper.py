@@ -18,8 +18,7 @@ from memra.kernels_cu.constants import HC_CHUNK, HC_MAX_N, HC_SLOTS
 class HyperOps:
     def hc_weights(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int):
         """(pre [t, n], post [t, n], comb [t, n, n]): fixed chunks of the flattened streams
-        spread the fn matvec over blocks, then one warp per row adds them up in order and runs
-        the Sinkhorn steps with shuffles alone."""
+        spread the fn matvec over blocks, then one small block per row adds them up in order."""
         streams = device_input(streams, "streams")
         t, n, d = streams.shape
         assert 1 <= n <= HC_MAX_N, f"hc_weights: n={n} streams, at most {HC_MAX_N}"
@@ -38,7 +37,7 @@ class HyperOps:
                 launch("hyper", "hc_partials", (part.shape[1], t, slots), (BLOCK,),
                        (streams, fn, part, i32(n), i32(d)))
             chunks = part.shape[1]
-            launch("hyper", "hc_weights", (t,), (32,),
+            launch("hyper", "hc_weights", (t,), (HC_MAX_N * HC_MAX_N,),
                    (part, base, scale, pre, post, comb, i32(n), i32(d), i32(chunks), f32(rms_eps),
                     f32(hc_eps), i32(iters)))
         return pre, post, comb

@@ -216,11 +216,9 @@ class NumpyBackend(NumpyKdaOps):
         return ids, self.pick(self.softmax(x), ids)
 
     def top_k(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(values [..., k], ids [..., k] int64): each row's k first entries in argmax's order (NaN
-        first, then larger values, ties to the lower index), in that order. A row without NaN takes
-        one partition, not a sort: a drafter asks this of vocab-long rows."""
-        n = x.shape[-1]
-        flat = x.reshape(-1, n)
+        """(values, ids int64) [..., k]: each row's first k in argmax's order (NaN first, larger values,
+        ties to the lower index); a row without NaN takes one partition, not a sort (vocab rows)."""
+        n, flat = x.shape[-1], x.reshape(-1, x.shape[-1])
         ids = np.empty((flat.shape[0], k), np.int64)
         for r, row in enumerate(flat):
             nan = np.isnan(row)

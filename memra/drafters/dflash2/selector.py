@@ -18,6 +18,7 @@ logits once its predecessor is known, before the candidates are taken.
     sel = Selector(hidden_proj, pred_codebook, succ_codebook, top_k=16)
     walk = sel.walk(logits, hidden, anchor)                       # greedy
     walk = sel.walk(logits, hidden, anchor, uniforms=u, temperature=0.7)
+    walk = sel.walk(logits, hidden, anchor, top=be.top_k(logits, sel.top_k))  # candidates on the device
     walk.path, walk.confidences, walk.q                           # q: SparseQ(cand, q_rows)
 """
 
@@ -126,10 +127,10 @@ class Selector:
              top=None) -> Walk:
         """Walk the rows of `logits` [n, V] (draft logits of the harvested rows `hidden` [n, H]).
         Greedy when `uniforms` is None, else one uniform in [0, 1) per row. `top`: the rows'
-        candidates (values, ids) [n, K] already taken where the logits live (be.top_k, the same
-        order as top_candidates), so the vocab-long rows never come to the host and the
-        codebook rows of every candidate come over in one gather each; not with `row_bias`,
-        which moves a row's candidates with its predecessor."""
+        candidates (values, ids) [n, K] already taken where the logits live (be.top_k: the
+        order of top_candidates on a row without NaN), so the vocab-long rows never come to the
+        host and the codebook rows of every candidate come over in one gather each; not with
+        `row_bias`, which moves a row's candidates with its predecessor."""
         n, vocab = logits.shape
         if uniforms is not None:
             if len(uniforms) < n:

@@ -34,10 +34,10 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_decode.py`: `be
 
 from benchmarks.common import (  # noqa: E402
     WARMUP_STEPS, bandwidth_fraction, card_head, counted_launches, emit, greedy_steps, int_list, model_args,
-    model_config, model_from_args, moe_layer_count, prime_context, random_tokens, record_header, roof_gbs,
-    state_bytes, timed_call, weight_bytes,
+    model_config, model_from_args, prime_context, random_tokens, record_header, roof_gbs, timed_call,
 )
 from benchmarks.kernel_profile import kernel_profile  # noqa: E402
+from benchmarks.walk_bytes import moe_layer_count, state_bytes, weight_bytes  # noqa: E402
 from memra.limits import VERIFY_CAP  # noqa: E402
 
 COUNTED_STEPS = 4    # eager decode steps run again with launches counted (counting slows the host)

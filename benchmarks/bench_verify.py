@@ -25,9 +25,9 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_verify.py`: `be
 
 from benchmarks.common import (  # noqa: E402
     WARMUP_STEPS, bandwidth_fraction, card_head, counted_launches, emit, greedy_steps, int_list, model_args,
-    model_config, model_from_args, prime_context, record_header, roof_gbs, routed_experts, state_bytes,
-    verify_times, weight_bytes,
+    model_config, model_from_args, prime_context, record_header, roof_gbs, routed_experts, verify_times,
 )
+from benchmarks.walk_bytes import state_bytes, weight_bytes  # noqa: E402
 from memra.limits import VERIFY_CAP  # noqa: E402
 
 

@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: the model under test, timing, the copy-bandwidth roof, the
-bytes a walk reads, and the record each script prints (a card on stderr, ONE JSON line on stdout).
+"""What the benchmark scripts share: the model under test, timing, the copy-bandwidth roof, and
+the record each script prints (a card on stderr, ONE JSON line on stdout). The bytes a walk
+reads are benchmarks/walk_bytes.py's.
 
     model = build_model("bench", "cuda")            # Glm5Model, bf16 weights, built in memory
     ms, logits = timed_call(partial(model.decode_step, tok, cache), model.be)
@@ -44,7 +45,6 @@ from memra.checkpoint_fp8 import fp8_allowed
 from memra.config import ModelConfig, preset
 from memra.memory import config_weight_bytes
 from memra.memory_plan import balanced_split
-from memra.model.moe import Moe
 from memra.model.pipeline import StagedGlm5Model
 from memra.model.stages import plan_stages
 from memra.model.trunk import Glm5Model
@@ -259,80 +259,7 @@ def routed_experts(be):
         del be.moe_route  # the class method shows through again
 
 
-# ---- bytes a walk reads -----------------------------------------------------------------------
-
-ROUTED_STACKS = ("gate_w", "up_w", "down_w")  # Moe's [E, ...] expert stacks: only picked experts are read
-
-
-def _is_array(v) -> bool:
-    return all(hasattr(v, a) for a in ("nbytes", "shape", "dtype"))
-
-
-def _block_bytes(block) -> tuple[int, int]:
-    """(bytes of the arrays `block` and its sub-blocks read whole on every walk, bytes of one
-    routed expert), from the arrays the block actually holds (so bf16 counts 2 bytes, f32 4)."""
-    whole = per_expert = 0
-    for name, v in vars(block).items():
-        if _is_array(v):
-            if isinstance(block, Moe) and name in ROUTED_STACKS:
-                one = v.nbytes // v.shape[0]
-                per_expert += one
-                whole += one if block.shared_id >= 0 else 0  # the stacked shared expert, read every walk
-            else:
-                whole += v.nbytes
-        elif type(v).__module__.startswith("memra.model."):
-            w, e = _block_bytes(v)
-            whole, per_expert = whole + w, per_expert + e
-    return whole, per_expert
-
-
-def moe_layer_count(model: Glm5Model) -> int:
-    return sum(isinstance(layer.ffn, Moe) for layer in model.layers)
-
-
-def weight_bytes(model: Glm5Model, experts_read: list[int], rows: int) -> dict[str, int]:
-    """Weight bytes one trunk walk of `rows` tokens reads: every trunk layer's arrays once,
-    experts_read[j] routed experts of the j-th MoE layer, the final norm and lm head, one embedding
-    row per token. The MTP block is not part of a trunk walk."""
-    assert len(experts_read) == moe_layer_count(model), "one expert count per MoE layer"
-    trunk = routed = 0
-    moe_layers = iter(experts_read)
-    for layer in model.layers:
-        whole, per_expert = _block_bytes(layer)
-        trunk += whole
-        if isinstance(layer.ffn, Moe):
-            routed += next(moe_layers) * per_expert
-    table = model.embed_table
-    out = {
-        "trunk": trunk, "routed_experts": routed,
-        "lm_head": int(model.lm_head.nbytes + model.final_norm.nbytes),
-        "embedding_rows": int(rows * table.nbytes // table.shape[0]),
-    }
-    return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
-
-
-def state_bytes(model: Glm5Model, cache, rows: int, snapshot: bool = False) -> dict[str, int]:
-    """Cache bytes one walk of `rows` tokens at cache.pos reads: each KDA layer's recurrent state
-    and conv ring (once per walk; with `snapshot`, a verify walk's rollback copy reads and writes
-    them once more), each DSA row's attended latent rows, and the pool keys a full indexer scores
-    once its rows see more pools than the budget."""
-    cfg, pos = model.cfg, cache.pos
-    pool, budget = cfg.index_kpool, cfg.index_pool_budget
-    kda = sum(st.state.nbytes + st.ring.nbytes for st in cache.kda.values())
-    latent = keys = 0
-    for plane in cache.mla.values():
-        row = plane.latent.nbytes // plane.latent.shape[0]
-        for p in range(pos, pos + rows):
-            seen = (p + 1) // pool
-            latent += row * (p + 1 if seen <= budget else budget * pool + (p + 1) % pool)
-        scored = (pos + rows) // pool
-        if plane.pool_keys is not None and scored > budget:
-            keys += rows * scored * (plane.pool_keys.nbytes // plane.pool_keys.shape[0])
-    out = {"kda_state": kda, "mla_latent": latent, "index_pool_keys": keys}
-    if snapshot:
-        out["kda_snapshot"] = 2 * kda
-    return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
-
+# ---- rates -------------------------------------------------------------------------------------
 
 def gbs(nbytes: int, ms: float) -> float:
     """Achieved GB/s for nbytes moved in ms milliseconds."""

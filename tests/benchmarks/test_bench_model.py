@@ -14,9 +14,8 @@ import types
 import numpy as np
 
 from benchmarks import bench_decode, bench_verify, common
-from benchmarks.common import (
-    bench_weights, build_model, counted_launches, moe_layer_count, prime_context, weight_bytes,
-)
+from benchmarks.common import bench_weights, build_model, counted_launches, prime_context
+from benchmarks.walk_bytes import moe_layer_count, weight_bytes
 from memra.backend.numpy_ref import NumpyBackend
 from memra.checkpoint import expected_tensors, load_checkpoint, write_fixture
 from memra.config import ModelConfig, preset

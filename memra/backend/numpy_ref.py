@@ -16,6 +16,7 @@ from memra.safetensors_io import bf16_to_f32
 from memra.backend.fp8 import Fp8Block, NumpyFp8Matrix
 from memra.backend.numpy_kda import NumpyKdaOps
 from memra.backend.philox import TAG_DRAW, uniforms
+from memra.backend.ranking import largest
 
 F32 = np.float32
 
@@ -222,12 +223,7 @@ class NumpyBackend(NumpyKdaOps):
         ids = np.empty((flat.shape[0], k), np.int64)
         for r, row in enumerate(flat):
             nan = np.isnan(row)
-            if nan.any():
-                at = np.lexsort((np.arange(n), -np.where(nan, 0, row), ~nan))[:k]
-            else:
-                at = np.flatnonzero(row >= np.partition(row, n - k)[n - k])
-                at = at[np.lexsort((at, -row[at]))][:k]
-            ids[r] = at
+            ids[r] = np.lexsort((np.arange(n), -np.where(nan, 0, row), ~nan))[:k] if nan.any() else largest(row, k)
         return np.take_along_axis(flat, ids, axis=1).reshape(*x.shape[:-1], k), ids.reshape(*x.shape[:-1], k)
 
     def pick(self, x: np.ndarray, idx: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memra.backend.philox import host_u01
+from memra.backend.ranking import largest
 from memra.errors import InputError
 
 MIN_TEMPERATURE = 1e-6  # below it logits / T overflows: use 0 for greedy
@@ -109,15 +110,6 @@ def filtered_probs(logits, sp: SamplingParams) -> np.ndarray:
             keep[ties[:cut - int(keep.sum())]] = True
         p = _renormalised(p, keep)
     return _min_p(p, sp.min_p)
-
-
-def largest(z: np.ndarray, k: int) -> np.ndarray:
-    """The ids of the k largest values of a row without NaN, descending, ties to the lower id
-    (the first k of the row sorted that way), from one partition instead of a sort."""
-    k = min(int(k), z.size)
-    kth = np.partition(z, z.size - k)[z.size - k]
-    ids = np.flatnonzero(z >= kth)
-    return ids[np.lexsort((ids, -z[ids]))][:k]
 
 
 def _marked(size: int, ids) -> np.ndarray:

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memra.backend.ranking import largest
 from memra.errors import ConfigError, InputError
 from memra.speculative.contract import SparseQ
-from memra.speculative.sampling import largest
 
 
 def to_host(a) -> np.ndarray:
@@ -51,7 +51,7 @@ def take_rows(table, ids) -> np.ndarray:
 
 def top_candidates(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(values, ids) of the k largest entries, sorted by value descending, ties to the lower id,
-    from one partition (sampling.largest: a sort is the draft round's largest host cost per row
+    from one partition (backend.ranking.largest: a sort is the draft round's largest host cost per row
     on a 154880-token vocabulary). A row with a NaN takes the path this one replaced (the test
     holds both to the same answers), whose NaN handling stays as it was."""
     row = np.asarray(row)
@@ -144,10 +144,11 @@ class Selector:
         k = min(self.top_k, vocab)
         if top is None:
             logits = to_host(logits).astype(np.float64)
-            values, cand, coupled = None, np.zeros((n, k), dtype=np.int64), None
+            values, cand = None, np.zeros((n, k), dtype=np.int64)
         else:
             values, cand = to_host(top[0]).astype(np.float64), to_host(top[1]).astype(np.int64)
-            coupled = self._codebook_rows([int(anchor)] + cand[:-1].ravel().tolist(), cand) if z is not None else None
+            if z is not None:
+                p_rows, s_rows = self._codebook_rows([int(anchor)] + cand[:-1].ravel().tolist(), cand)
         q_rows = np.zeros((n, k), dtype=np.float64)
         path, confidences = [], []
         pred = int(anchor)
@@ -157,7 +158,7 @@ class Selector:
                 u, cand[i] = top_candidates(row, k)
                 score = self.scores(u, cand[i], None if z is None else z[i], pred)
             else:
-                score = values[i] if z is None else _coupled(values[i], coupled[1][i], z[i], coupled[0][pred])
+                score = values[i] if z is None else _coupled(values[i], s_rows[i], z[i], p_rows[pred])
             if uniforms is None:
                 idx = int(np.argmax(score))
                 q_rows[i, idx] = 1.0

@@ -14,6 +14,7 @@ import numpy as np
 
 from memra.safetensors_io import bf16_to_f32
 from memra.backend.fp8 import Fp8Block, NumpyFp8Matrix
+from memra.backend.numpy_draft import NumpyDraftOps
 from memra.backend.numpy_kda import NumpyKdaOps
 from memra.backend.philox import TAG_DRAW, uniforms
 from memra.backend.ranking import largest
@@ -46,7 +47,7 @@ def _rmsnorm_row(x: np.ndarray, eps: float) -> np.ndarray:
     return (x * (F32(1) / np.sqrt(np.mean(x * x, dtype=F32) + F32(eps)))).astype(F32)
 
 
-class NumpyBackend(NumpyKdaOps):
+class NumpyBackend(NumpyKdaOps, NumpyDraftOps):
     """Reference implementation of the backend interface (runs everywhere, used by CI)."""
 
     name = "numpy"  # a label for records and summaries; callers branch on the capabilities below

@@ -88,3 +88,6 @@
 #ifndef DOWN_OUTS
 #define DOWN_OUTS 64
 #endif
+#ifndef DRAFT_MAX_HD
+#define DRAFT_MAX_HD 256
+#endif

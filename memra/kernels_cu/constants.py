@@ -59,6 +59,9 @@ GATE_UP_UNITS = 16       # intermediate units per bf16 gate|up tile (16 gate row
 DOWN_OUTS = 64           # outputs per bf16 expert down tile of 8 rows: 64 rows of I in-features, the
                          # weight bytes a gate|up tile reads (32 rows of D = 2 I)
 
+# draft.cu
+DRAFT_MAX_HD = 256  # a block attention head: each lane holds DRAFT_MAX_HD / 32 of its query and output
+
 KERNEL_CONSTANTS: dict[str, int] = {
     "MEMRA_BLOCK": MEMRA_BLOCK,
     "WARPS_PER_BLOCK": WARPS_PER_BLOCK,
@@ -85,6 +88,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "MAX_GROUPS": MAX_GROUPS,
     "GATE_UP_UNITS": GATE_UP_UNITS,
     "DOWN_OUTS": DOWN_OUTS,
+    "DRAFT_MAX_HD": DRAFT_MAX_HD,
 }
 
 DEFINES = tuple(f"-D{name}={value}" for name, value in KERNEL_CONSTANTS.items())

@@ -14,6 +14,7 @@ import numpy as np
 import cupy as cp
 
 from memra.backend.cuda.dense import DenseOps
+from memra.backend.cuda.draft import DraftOps
 from memra.backend.cuda.fp8 import DeviceFp8
 from memra.backend.cuda.graphs import WalkGraphs
 from memra.backend.cuda.hyper import HyperOps
@@ -27,7 +28,7 @@ from memra.backend.fp8 import Fp8Block
 from memra.safetensors_io import bf16_to_f32
 
 
-class CudaBackend(DenseOps, NormOps, HyperOps, KdaOps, MlaOps, MoeOps, PhiloxOps):
+class CudaBackend(DenseOps, DraftOps, NormOps, HyperOps, KdaOps, MlaOps, MoeOps, PhiloxOps):
     name = "cuda"
     xp = cp
     compiles_on_first_use = True  # runtime.module: NVRTC builds each family on its first launch

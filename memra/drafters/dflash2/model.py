@@ -9,15 +9,19 @@ the same to the sublayer output. The conv is block-local (row 0 reads zeros), so
 state between rounds. A DFlash v1 / DSpark checkpoint (`family == "dflash"`, the seed's format)
 has no convs: its sublayers are the plain pre-norm residual ones.
 
-The drafter is not in the exact class (the target verifies every token), so it computes in
-float32 with the array module's own GEMMs (numpy, or cupy on the CUDA backend) and the backend's
-row ops (rmsnorm, softmax, silu): a draft round is bound by its host's launches, one op each.
+The drafter is not in the exact class (the target verifies every token): it computes in float32
+with the backend's ops (projections, rmsnorm, silu, block attention, top-k) and the array module's
+elementwise ones. None of them is a cuBLAS call on a block's rows, so on CUDA a draft round (the
+block forward, its logits and candidates) and a round's context append are each captured once
+into a CUDA graph per shape and replayed (the cache's walk runner, as the target's walks): a
+round was bound by its host's few hundred eager launches, not by its GPU time.
 
     draft = DflashDraft.load(dir, target_model, precision="q8_0")
     kv = draft.new_kv(max_ctx)
     draft.ingest(kv, draft.ctx_features([taps[l] for l in draft.cfg.target_layer_ids]))
     hidden = draft.forward_block(kv, [anchor] + [mask] * (b - 1), start_pos=kv.len)
     logits = draft.logits(hidden[1:])
+    rows, logits, (values, ids) = draft.draft_rows(kv, block, kv.len, first=1, n=7, top_k=8)  # one replay
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from memra.drafters.dflash2.weights import (
     load_weights,
 )
 from memra.errors import ConfigError, ContextOverflowError, InputError
+from memra.limits import VERIFY_CAP
 
 F32 = np.float32
 MASK_FILE = "mask_embedding.npy"  # a learned mask row in the drafter directory, used unless overridden
@@ -55,36 +60,15 @@ def conv_rows(xp, z, base, coef, group: int):
 
 
 class DflashKv:
-    """Per-layer context K (k_norm'd, roped) and V of the committed rows, append-only."""
+    """Per-layer context K (k_norm'd, roped) and V of the committed rows, append-only, and the
+    walk runner (be.walks()) whose graphs hold these planes by address."""
 
-    def __init__(self, xp, n_layers: int, max_ctx: int, n_kv: int, head_dim: int):
+    def __init__(self, xp, n_layers: int, max_ctx: int, n_kv: int, head_dim: int, walks):
         self.max_ctx = max_ctx
         self.len = 0
+        self.walks = walks
         self.k = [xp.zeros((max_ctx, n_kv, head_dim), F32) for _ in range(n_layers)]
         self.v = [xp.zeros((max_ctx, n_kv, head_dim), F32) for _ in range(n_layers)]
-
-
-class _Visibility:
-    """A block's attention masks over [context + block] keys, one upload per distinct rule (causal,
-    window), None where every block row sees every key. Block row i sits at cache index n + i."""
-
-    def __init__(self, xp, n: int, b: int):
-        self.xp, self.n, self.b, self.made = xp, n, b, {}
-
-    def __call__(self, causal: bool, window, first: int, keys: int):
-        if not causal and window is None:
-            return None
-        rule = (causal, window, first, keys)
-        if rule not in self.made:
-            q_idx = self.n + np.arange(self.b)[:, None]
-            k_idx = first + np.arange(keys)[None, :]
-            visible = np.ones((self.b, keys), dtype=bool)
-            if causal:
-                visible &= k_idx <= q_idx
-            if window is not None:
-                visible &= np.abs(q_idx - k_idx) < window
-            self.made[rule] = self.xp.asarray(visible)
-        return self.made[rule]
 
 
 class _Layer:
@@ -141,7 +125,7 @@ class DflashDraft:
             self.conf_b = float(np.asarray(tensors["confidence_head.bias"]).reshape(-1)[0])
             self.conf_with_markov = self.conf_w.shape[0] != cfg.hidden_size
         self.mask_embedding = None if mask_embedding is None else xp.asarray(mask_embedding, dtype=F32)
-        self.inv_freq = inv_freq(cfg.rope, cfg.head_dim)
+        self.inv_freq = xp.asarray(inv_freq(cfg.rope, cfg.head_dim))  # on the device before any capture
 
     @classmethod
     def load(cls, path, target_model, precision: str = "bf16", mask_embedding=None) -> DflashDraft:
@@ -167,6 +151,10 @@ class DflashDraft:
 
     def ctx_features(self, tap_rows: list):
         """hidden_norm(fc(concat of the tapped layers' rows, in target_layer_ids order)) -> [n, H]."""
+        return self._features(self._tap_rows(tap_rows))
+
+    def _tap_rows(self, tap_rows: list) -> list:
+        """The tapped layers' rows as device [n, H] arrays, checked against target_layer_ids."""
         taps = self.cfg.target_layer_ids
         if len(tap_rows) != len(taps):
             raise InputError(f"dflash2 ctx_features: got {len(tap_rows)} tapped layers, the drafter reads "
@@ -175,13 +163,20 @@ class DflashDraft:
         if len({r.shape[0] for r in rows}) != 1:
             raise InputError(f"dflash2 ctx_features: the tapped layers have different row counts "
                              f"{[r.shape[0] for r in rows]}; pass the same rows of every layer")
-        return self._rmsnorm(self.xp.concatenate(rows, axis=1) @ self.fc.T, self.hidden_norm)
+        return rows
+
+    def _features(self, rows):
+        h = self.cfg.hidden_size
+        x = self.xp.empty((rows[0].shape[0], h * len(rows)), F32)
+        for i, r in enumerate(rows):  # slice copies: cupy's concatenate of over 8 arrays uploads a
+            x[:, i * h:(i + 1) * h] = r  # pointer table, which a graph capture refuses
+        return self._rmsnorm(self._linear(x, self.fc), self.hidden_norm)
 
     def new_kv(self, max_ctx: int) -> DflashKv:
         if isinstance(max_ctx, bool) or not isinstance(max_ctx, (int, np.integer)) or max_ctx < 1:
             raise InputError(f"dflash2 new_kv: max_ctx must be a positive integer, got {max_ctx!r}")
         c = self.cfg
-        return DflashKv(self.xp, c.num_hidden_layers, int(max_ctx), c.num_key_value_heads, c.head_dim)
+        return DflashKv(self.xp, c.num_hidden_layers, int(max_ctx), c.num_key_value_heads, c.head_dim, self.be.walks())
 
     def _check_kv(self, kv) -> None:
         c = self.cfg
@@ -193,17 +188,36 @@ class DflashDraft:
         """Append context rows (ctx_features output) at cache positions kv.len.. for every layer."""
         self._check_kv(kv)
         feats = self._rows(features, "ingest features")
-        n = feats.shape[0]
+        self._room(kv, feats.shape[0])
+        self._append(kv, feats, kv.len)
+        kv.len += feats.shape[0]
+
+    def ingest_taps(self, kv: DflashKv, tap_rows: list) -> None:
+        """ingest(kv, ctx_features(tap_rows)) as one walk: a round's few rows replay a graph."""
+        self._check_kv(kv)
+        rows = self._tap_rows(tap_rows)
+        n = rows[0].shape[0]
+        self._room(kv, n)
+        key = (self, "ingest", n) if n <= VERIFY_CAP else None  # a prompt's rows run once, eagerly
+        kv.walks.run(key, lambda _tokens, at, *taps: self._append(kv, self._features(list(taps)), at),
+                     [], kv.len, *rows)
+        kv.len += n
+
+    def _room(self, kv: DflashKv, n: int) -> None:
         if kv.len + n > kv.max_ctx:
             raise ContextOverflowError(f"dflash2 draft KV: {n} more rows at {kv.len} would pass max_ctx "
                                        f"{kv.max_ctx}; create it with a larger max_ctx")
-        cos, sin = self._cos_sin(np.arange(kv.len, kv.len + n))
-        c = self.cfg
+
+    def _append(self, kv: DflashKv, feats, at) -> None:
+        """K/V of feats [n, H] into every layer's cache rows at.. (`at`: a position, host or device)."""
+        xp, c, n = self.xp, self.cfg, feats.shape[0]
+        rows = at + xp.arange(n)
+        cos, sin = self._cos_sin(rows)
         for li, layer in enumerate(self.layers):
-            k = self._rmsnorm((feats @ layer.wk.T).reshape(n, c.num_key_value_heads, c.head_dim), layer.k_norm)
-            kv.k[li][kv.len:kv.len + n] = apply_rope(k, cos, sin, self.xp)
-            kv.v[li][kv.len:kv.len + n] = (feats @ layer.wv.T).reshape(n, c.num_key_value_heads, c.head_dim)
-        kv.len += n
+            k = self._rmsnorm(self._linear(feats, layer.wk).reshape(n, c.num_key_value_heads, c.head_dim),
+                              layer.k_norm)
+            kv.k[li][rows] = apply_rope(k, cos, sin, xp)
+            kv.v[li][rows] = self._linear(feats, layer.wv).reshape(n, c.num_key_value_heads, c.head_dim)
 
     # ---- the block forward -------------------------------------------------------------------
     def _block_ids(self, block_tokens) -> np.ndarray:
@@ -219,25 +233,48 @@ class DflashDraft:
     def forward_block(self, kv: DflashKv, block_tokens, start_pos: int):
         """Final normed hidden rows [b, H] of the block at positions start_pos.. over the cached
         context. Block K/V are transient: kv is not changed."""
+        return self.xp.array(self._run_block(kv, block_tokens, start_pos, None), copy=True)
+
+    def draft_rows(self, kv: DflashKv, block_tokens, start_pos: int, first: int, n: int, top_k: int | None):
+        """A round's device work in one walk: the block forward's hidden rows first..first + n
+        [n, H], their logits [n, V] and (top_k given) be.top_k(logits, top_k). The arrays are the
+        walk's own, overwritten by the next round of the same shape."""
+        if not (0 <= first and 1 <= n and first + n <= len(block_tokens)):
+            raise InputError(f"dflash2 draft_rows: rows {first}..{first + n - 1} outside the "
+                             f"{len(block_tokens)}-row block")
+        return self._run_block(kv, block_tokens, start_pos, (int(first), int(n), top_k))
+
+    def _run_block(self, kv: DflashKv, block_tokens, start_pos: int, harvest):
         self._check_kv(kv)
         ids = self._block_ids(block_tokens)
         if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) or start_pos < kv.len:
             raise InputError(f"dflash2 forward_block: start_pos {start_pos!r} must be an integer >= the "
                              f"{kv.len} cached context rows (the block follows its context)")
+        # the walk's tokens: the block ids, then the first position; its position: the context length
+        return kv.walks.run((self, "block", ids.size, harvest), lambda tokens, n_ctx: self._block(
+            kv, tokens, n_ctx, ids.size, harvest), np.append(ids, start_pos), kv.len)
+
+    def _block(self, kv: DflashKv, tokens, n_ctx, b: int, harvest):
         xp, c = self.xp, self.cfg
-        h = xp.array(self.be.embed(self.target.embed_table, ids), dtype=F32)
-        if self.mask_embedding is not None:  # integer rows: a boolean index would sync on its count
-            h[xp.asarray(np.flatnonzero(ids == c.mask_token_id))] = self.mask_embedding
+        ids, start = tokens[:b], tokens[b:]
+        h = self.be.embed(self.target.embed_table, ids)
+        if self.mask_embedding is not None:
+            h = xp.where((ids == c.mask_token_id)[:, None], self.mask_embedding, h)
         h = h * F32(c.input_embedding_scale)
-        cos, sin = self._cos_sin(np.arange(start_pos, start_pos + ids.size))
-        masks = _Visibility(xp, kv.len, ids.size)
+        cos, sin = self._cos_sin(start + xp.arange(b))
         for li, layer in enumerate(self.layers):
             x = self._rmsnorm(h, layer.ln_in)
-            h = h + self._convolved(layer.attn_base, layer.attn_proj, x, self._attention, li, layer, kv, cos, sin,
-                                    masks)
+            h = h + self._convolved(layer.attn_base, layer.attn_proj, x, self._attention, li, layer, kv, n_ctx,
+                                    cos, sin)
             x = self._rmsnorm(h, layer.ln_post)
             h = h + self._convolved(layer.mlp_base, layer.mlp_proj, x, self._mlp, layer)
-        return self._rmsnorm(h, self.norm)
+        hidden = self._rmsnorm(h, self.norm)
+        if harvest is None:
+            return hidden
+        first, n, top_k = harvest
+        rows = hidden[first:first + n]
+        logits = self.logits(rows)
+        return rows, logits, None if top_k is None else self.be.top_k(logits, top_k)
 
     def _convolved(self, base, proj, x, sublayer, *args):
         """conv_post(sublayer(conv_pre(x), *args)), both sides' coefficients from the sublayer input x;
@@ -245,32 +282,33 @@ class DflashDraft:
         if base is None:
             return sublayer(x, *args)
         c = self.cfg
-        coef = (x @ proj.T).reshape(x.shape[0], 2, c.conv_kernel_size, c.hidden_size // c.conv_group_size)
+        coef = self._linear(x, proj).reshape(x.shape[0], 2, c.conv_kernel_size, c.hidden_size // c.conv_group_size)
         y = sublayer(conv_rows(self.xp, x, base[0], coef[:, 0], c.conv_group_size), *args)
         return conv_rows(self.xp, y, base[1], coef[:, 1], c.conv_group_size)
 
-    def _attention(self, x, li: int, layer: _Layer, kv: DflashKv, cos, sin, masks):
+    def _attention(self, x, li: int, layer: _Layer, kv: DflashKv, n_ctx, cos, sin):
         xp, c = self.xp, self.cfg
         b, nh, nkv, hd = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q = apply_rope(self._rmsnorm((x @ layer.wq.T).reshape(b, nh, hd), layer.q_norm), cos, sin, xp)
-        k = apply_rope(self._rmsnorm((x @ layer.wk.T).reshape(b, nkv, hd), layer.k_norm), cos, sin, xp)
-        v = (x @ layer.wv.T).reshape(b, nkv, hd)
+        q = apply_rope(self._rmsnorm(self._linear(x, layer.wq).reshape(b, nh, hd), layer.q_norm), cos, sin, xp)
+        k = apply_rope(self._rmsnorm(self._linear(x, layer.wk).reshape(b, nkv, hd), layer.k_norm), cos, sin, xp)
+        v = self._linear(x, layer.wv).reshape(b, nkv, hd)
         window = c.sliding_window if c.layer_sliding[li] else None
-        first = 0 if window is None else max(0, kv.len - window + 1)  # no block row sees further back
-        keys = xp.concatenate([kv.k[li][first:kv.len], k])
-        values = xp.concatenate([kv.v[li][first:kv.len], v])
-        visible = masks(c.layer_causal[li], window, first, keys.shape[0])
-        rep = nh // nkv
-        qg = q.reshape(b, nkv, rep, hd).transpose(1, 2, 0, 3)                    # [nkv, rep, b, hd]
-        scores = (qg @ keys.transpose(1, 2, 0)[:, None]) * F32(hd ** -0.5)     # [nkv, rep, b, n]
-        if visible is not None:
-            scores = xp.where(visible, scores, F32(-np.inf))
-        probs = self.be.softmax(scores)
-        out = probs @ values.transpose(1, 0, 2)[:, None]                        # [nkv, rep, b, hd]
-        return out.transpose(2, 0, 1, 3).reshape(b, nh * hd) @ layer.wo.T
+        out = self.be.block_attention(q, kv.k[li], kv.v[li], k, v, n_ctx, c.layer_causal[li], window, hd ** -0.5)
+        return self._linear(out.reshape(b, nh * hd), layer.wo)
 
     def _mlp(self, x, layer: _Layer):
-        return (self.be.silu(x @ layer.w_gate.T) * (x @ layer.w_up.T)) @ layer.w_down.T
+        return self._linear(self.be.silu(self._linear(x, layer.w_gate)) * self._linear(x, layer.w_up), layer.w_down)
+
+    def _linear(self, x, w):
+        """be.linear, a block of up to 2 VERIFY_CAP rows in exact-class calls of at most
+        VERIFY_CAP (16 rows would be one cuBLAS call, which CuPy refuses in a graph capture); a
+        row's values do not depend on the split."""
+        x = self.be.contiguous(x)
+        t = x.shape[0]
+        if t <= VERIFY_CAP or t > 2 * VERIFY_CAP:
+            return self.be.linear(x, w)
+        half = (t + 1) // 2
+        return self.xp.concatenate([self.be.linear(x[:half], w), self.be.linear(x[half:], w)])
 
     def _rmsnorm(self, x, w):
         """The backend's rmsnorm: one launch on the GPU where the array arithmetic took seven
@@ -278,8 +316,7 @@ class DflashDraft:
         return self.be.rmsnorm(x, w, self.cfg.rms_norm_eps)
 
     def _cos_sin(self, positions):
-        cos, sin = cos_sin(self.inv_freq, self.cfg.rope.mscale, positions)
-        return self.xp.asarray(cos), self.xp.asarray(sin)
+        return cos_sin(self.inv_freq, self.cfg.rope.mscale, positions, self.xp)
 
     # ---- logits ------------------------------------------------------------------------------
     def logits(self, hidden):
@@ -287,7 +324,7 @@ class DflashDraft:
         then softcapped cap * tanh(x / cap) when configured."""
         c = self.cfg
         rows = self._rows(hidden if getattr(hidden, "ndim", 2) == 2 else hidden[None], "logits hidden")
-        out = self.be.linear(self.be.contiguous(rows), self.target.lm_head)
+        out = self._linear(rows, self.target.lm_head)
         if c.output_multiplier != 1.0:
             out = out * F32(c.output_multiplier)
         if c.final_logit_softcapping is not None:

@@ -6,7 +6,7 @@ q and k, exactly as the HF rotary module applies it. Rotation is NeoX `rotate_ha
 half of each head pairs with the second half.
 
     inv = inv_freq(cfg.rope, cfg.head_dim)                 # float64 [hd/2]
-    cos, sin = cos_sin(inv, cfg.rope.mscale, positions)    # float32 [n, hd]
+    cos, sin = cos_sin(inv, cfg.rope.mscale, positions)    # float32 [n, hd] (xp=cupy: on the device)
     q = apply_rope(q, cos, sin, xp)                        # q [n, heads, hd]
 """
 
@@ -52,11 +52,12 @@ def inv_freq(rope, head_dim: int) -> np.ndarray:
     return (base / rope.factor) * (1.0 - extrapolation) + base * extrapolation
 
 
-def cos_sin(inv: np.ndarray, mscale: float, positions) -> tuple[np.ndarray, np.ndarray]:
-    """Host float32 cos, sin [n, hd] for absolute `positions`, both scaled by mscale."""
-    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
-    angles = np.concatenate([angles, angles], axis=1)
-    return (np.cos(angles) * mscale).astype(np.float32), (np.sin(angles) * mscale).astype(np.float32)
+def cos_sin(inv, mscale: float, positions, xp=np):
+    """float32 cos, sin [n, hd] for absolute `positions`, both scaled by mscale; inv and
+    positions arrays of module xp (numpy or cupy), computed in float64."""
+    angles = xp.asarray(positions).astype(np.float64)[:, None] * inv[None, :]
+    angles = xp.concatenate([angles, angles], axis=1)
+    return (xp.cos(angles) * mscale).astype(np.float32), (xp.sin(angles) * mscale).astype(np.float32)
 
 
 def apply_rope(x, cos, sin, xp=np):

@@ -169,7 +169,7 @@ class DFlash2State:
         for rows in self.pending:
             n = rows[0].shape[0]
             for r0 in range(0, n, INGEST_CHUNK):
-                draft.ingest(self.kv, draft.ctx_features([t[r0:r0 + INGEST_CHUNK] for t in rows]))
+                draft.ingest_taps(self.kv, [t[r0:r0 + INGEST_CHUNK] for t in rows])
         self.pending = []
         assert self.kv.len == self.committed, "drafter context rows must equal the committed rows"
 
@@ -184,10 +184,10 @@ class DFlash2State:
         self._ingest()
         draft, n = d.draft, int(k)
         block = [self.anchor] + [d.cfg.mask_token_id] * (d.block_size - 1)
-        hidden = draft.forward_block(self.kv, block, self.kv.len)
-        first = d.harvest.first_row
-        rows = hidden[first:first + n]
-        walk = self._walk(rows, sampling)
+        # without a row bias every row's candidates are known up front: taken where the logits are
+        top_k = None if d.selector is None or d.markov_bias else min(d.selector.top_k, d.cfg.vocab_size)
+        rows, logits, top = draft.draft_rows(self.kv, block, self.kv.len, d.harvest.first_row, n, top_k)
+        walk = self._walk(rows, logits, top, sampling)
         confidences = walk.confidences
         raws = None
         if d.confidence is not None:
@@ -200,10 +200,10 @@ class DFlash2State:
         q = None if sampling is None else walk.q.truncate(keep)
         return Proposal(tokens=walk.path[:keep], q=q, confidences=confidences[:keep])
 
-    def _walk(self, rows, sampling):
+    def _walk(self, rows, logits, top, sampling):
         """The drafts of the harvested rows: the candidate selector's walk (sparse q), or each row
         on its own for a checkpoint without one (dense q)."""
-        d, logits = self.drafter, self.drafter.draft.logits(rows)
+        d = self.drafter
         bias = d.markov.row_bias if d.markov_bias else None
         if d.selector is None:
             return dense_walk(logits, self.anchor, sampling, bias)
@@ -211,8 +211,6 @@ class DFlash2State:
         if sampling is not None:
             temperature = float(sampling.params.temperature)
             uniforms = [sampling.streams.accept_uniform() for _ in range(rows.shape[0])]
-        # without a row bias every row's candidates are known up front: taken where the logits are
-        top = None if bias is not None else d.draft.be.top_k(logits, min(d.selector.top_k, logits.shape[1]))
         return d.selector.walk(logits, rows, self.anchor, uniforms, temperature, bias, top)
 
     def commit(self, outcome: RoundOutcome) -> None:

@@ -18,6 +18,7 @@ from memra.backend.numpy_draft import NumpyDraftOps
 from memra.backend.numpy_kda import NumpyKdaOps
 from memra.backend.philox import TAG_DRAW, uniforms
 from memra.backend.ranking import largest
+from memra.backend.sampling_filter import NumpyFilterOps
 
 F32 = np.float32
 
@@ -47,7 +48,7 @@ def _rmsnorm_row(x: np.ndarray, eps: float) -> np.ndarray:
     return (x * (F32(1) / np.sqrt(np.mean(x * x, dtype=F32) + F32(eps)))).astype(F32)
 
 
-class NumpyBackend(NumpyKdaOps, NumpyDraftOps):
+class NumpyBackend(NumpyKdaOps, NumpyDraftOps, NumpyFilterOps):
     """Reference implementation of the backend interface (runs everywhere, used by CI)."""
 
     name = "numpy"  # a label for records and summaries; callers branch on the capabilities below

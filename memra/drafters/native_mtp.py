@@ -97,7 +97,7 @@ class NativeMtpState:
             return self._greedy(k, logits, carrier)
         tokens, confidences, q_rows = [], [], []
         for ki in range(k):
-            probs = sampling.filter(be.to_host(logits[-1]))
+            probs = sampling.filter(logits[-1])
             confidences.append(float(probs.max()))  # before the draw: see Proposal.confidences
             tok = self._token(sampling.draw(probs))
             tokens.append(tok)

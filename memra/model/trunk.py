@@ -124,6 +124,11 @@ class Glm5Model:
         """Consume one token; returns float32 logits [vocab] for the next position."""
         return self.be.to_host(self._decode(token_id, cache, "decode_step"))
 
+    def decode_logits(self, token_id, cache: Cache):
+        """decode_step with the logits row [vocab] left where the backend keeps them (a sampled
+        step filters and draws there: be.filtered_rows, be.race_draw)."""
+        return self._decode(token_id, cache, "decode_step")
+
     def decode_greedy(self, token_id, cache: Cache) -> int:
         """decode_step for greedy decoding -> the next token: the argmax of the logits (the
         lowest index on ties), taken where they are, so one int crosses to the host."""
@@ -145,6 +150,11 @@ class Glm5Model:
         """
         logits, collapsed, ckpt = self._verify(token_ids, cache, tap_layers, "verify_rows")
         return self.be.to_host(logits), collapsed, ckpt
+
+    def verify_logits(self, token_ids, cache: Cache, tap_layers=()):
+        """verify_rows with the logits [t, V] left where the backend keeps them: a sampled accept
+        filters them there and copies only what its walk reads (speculative.sampling.accept_walk)."""
+        return self._verify(token_ids, cache, tap_layers, "verify_rows")
 
     def verify_greedy(self, token_ids, cache: Cache, tap_layers=()):
         """verify_rows for greedy acceptance -> (targets, collapsed [t, D], ckpt): targets[r] is

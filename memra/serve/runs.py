@@ -87,6 +87,10 @@ class LogitTap:
         self.rows.append(logits)
         return logits
 
+    def decode_logits(self, token, cache):
+        """The logprobs need the row on the host anyway."""
+        return self.decode_step(token, cache)
+
     def decode_greedy(self, token, cache) -> int:
         """The logprobs need the row on the host anyway: take the argmax there."""
         return int(np.argmax(self.decode_step(token, cache)))
@@ -95,6 +99,10 @@ class LogitTap:
         out = self._model.verify_rows(token_ids, cache, tap_layers)
         self._verified = out[0]
         return out
+
+    def verify_logits(self, token_ids, cache, tap_layers=()):
+        """The logprobs need every row on the host anyway."""
+        return self.verify_rows(token_ids, cache, tap_layers)
 
     def verify_greedy(self, token_ids, cache, tap_layers=()):
         """The logprobs need every row on the host anyway: take the argmaxes there."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from memra.speculative.metrics import SpecMetrics
-from memra.speculative.sampling import SampleStreams, SamplingParams, filtered_probs, refuse_penalties
+from memra.speculative.sampling import SampleStreams, SamplingParams, filtered_rows, refuse_penalties
 
 
 class PlainSession:
@@ -44,9 +44,10 @@ class PlainSession:
         """Decode the last token and choose the next (greedy: the argmax, taken on the device)."""
         if self.sampling is None:
             return self.model.decode_greedy(self.last, self.cache)
-        return self._choose(self.model.decode_step(self.last, self.cache))
+        return self._choose(self.model.decode_logits(self.last, self.cache))
 
     def _choose(self, logits) -> int:
+        """The token after a logits row (host, or where the backend keeps it)."""
         if self.sampling is None:
             return int(np.argmax(logits))
-        return self.streams.draw(filtered_probs(logits, self.sampling))
+        return self.streams.draw(filtered_rows(self.model.be, logits, self.sampling))

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from memra.backend.philox import host_u01
-from memra.backend.ranking import largest
+from memra.backend.sampling_filter import filtered_by_sort
+from memra.backend.sampling_filter import filtered_probs as reference_filter
 from memra.errors import InputError
 
 MIN_TEMPERATURE = 1e-6  # below it logits / T overflows: use 0 for greedy
@@ -82,66 +83,19 @@ def refuse_penalties(sp: SamplingParams | None) -> None:
 
 
 def filtered_probs(logits, sp: SamplingParams) -> np.ndarray:
-    """The filtered distribution of one logits row (float64 [V], zeros outside the kept set).
-
-    Defined by the whole row sorted by descending value, ascending index on ties (the top-k are
-    its first k, the top-p nucleus its shortest prefix holding top_p of the kept mass), and equal
-    to that bit for bit (tests/speculative/test_sampling_filter.py), without the sort where it can be
-    avoided: it costs ~20 ms a row at a 154880-token vocabulary. top-k takes the k largest from
-    one partition; top-p alone sorts the probabilities only (the cumulative sums need the values
-    in order, not which token holds each) and resolves the boundary's ties by value, then index.
-    A row with a NaN takes the sorting path."""
-    z = np.asarray(logits, dtype=np.float64) / sp.temperature
-    if np.isnan(z).any():
-        return _filtered_probs_by_sort(z, sp)
-    ranked = largest(z, sp.top_k) if 0 < sp.top_k < z.size else None
-    p = np.exp(z - z.max()) if ranked is None else np.where(_marked(z.size, ranked), np.exp(z - z.max()), 0.0)
-    p /= p.sum()
-    if sp.top_p < 1.0:
-        if ranked is not None:
-            keep = _marked(z.size, ranked[:_nucleus(np.cumsum(p[ranked]), sp.top_p)])
-        else:
-            values = np.sort(p)[::-1]
-            cut = _nucleus(np.cumsum(values), sp.top_p)
-            edge = values[cut - 1]
-            keep = p > edge
-            ties = np.flatnonzero(p == edge)
-            ties = ties[np.lexsort((ties, -z[ties]))]  # the sorted row's order among equal probabilities
-            keep[ties[:cut - int(keep.sum())]] = True
-        p = _renormalised(p, keep)
-    return _min_p(p, sp.min_p)
-
-
-def _marked(size: int, ids) -> np.ndarray:
-    keep = np.zeros(size, dtype=bool)
-    keep[ids] = True
-    return keep
-
-
-def _nucleus(cum: np.ndarray, top_p: float) -> int:
-    """The shortest prefix whose mass (cumulative sums in order) reaches top_p of the total."""
-    return int(np.searchsorted(cum, top_p * cum[-1])) + 1
-
-
-def _renormalised(p: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    p = np.where(keep, p, 0.0)
-    return p / p.sum()
-
-
-def _min_p(p: np.ndarray, min_p: float) -> np.ndarray:
-    """The min-p cut (relative to the largest probability), renormalised; p itself when off."""
-    return _renormalised(p, p >= min_p * p.max()) if min_p > 0.0 else p
+    """The filtered distribution of one logits row (float64 [V], zeros outside the kept set):
+    memra.backend.sampling_filter.filtered_probs, the definition every backend's rows follow."""
+    return reference_filter(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
 
 
 def _filtered_probs_by_sort(z: np.ndarray, sp: SamplingParams) -> np.ndarray:
-    """filtered_probs by its definition, sorting the whole (temperature-scaled) row."""
-    order = np.lexsort((np.arange(z.size), -z))  # descending value, ascending index on ties
-    ranked = order[: sp.top_k] if sp.top_k else order
-    p = np.where(_marked(z.size, ranked), np.exp(z - z[order[0]]), 0.0)
-    p /= p.sum()
-    if sp.top_p < 1.0:
-        p = _renormalised(p, _marked(z.size, ranked[:_nucleus(np.cumsum(p[ranked]), sp.top_p)]))
-    return _min_p(p, sp.min_p)
+    """filtered_probs by its definition, sorting the whole temperature-scaled row z (the tests' oracle)."""
+    return filtered_by_sort(z, sp.top_k, sp.top_p, sp.min_p)
+
+
+def filtered_rows(be, logits, sp: SamplingParams):
+    """filtered_probs of every row of logits [t, V], where the backend keeps them (be.filtered_rows)."""
+    return be.filtered_rows(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
 
 
 class SampleStreams:
@@ -173,7 +127,9 @@ class DraftSampling:
     streams: SampleStreams
 
     def filter(self, logits) -> np.ndarray:
-        return filtered_probs(logits, self.params)
+        """The filtered row of a logits row, on the host (float64 [V]), filtered where the
+        logits are: a device row crosses once, as its probabilities."""
+        return np.asarray(self.streams.be.to_host(filtered_rows(self.streams.be, logits, self.params)))
 
     def draw(self, probs) -> int:
         return self.streams.draw(probs)
@@ -185,15 +141,23 @@ def point_mass_full(token: int, vocab: int) -> np.ndarray:
     return row
 
 
-def accept_walk(p_rows: np.ndarray, drafts: list[int], q, streams: SampleStreams) -> tuple[int, int]:
-    """Rejection walk over filtered target rows p_rows [len(drafts) + 1, V] -> (j, bonus)."""
+def accept_walk(p_rows, drafts: list[int], q, streams: SampleStreams, be=None) -> tuple[int, int]:
+    """Rejection walk over filtered target rows p_rows [len(drafts) + 1, V] -> (j, bonus). The rows
+    stay where the backend `be` keeps them (None: on the host): the drafted ids' probabilities
+    cross to the host in one copy, and a rejection's residual is formed and drawn from there."""
     vocab = p_rows.shape[1]
+    to_host, upload = (np.asarray, np.asarray) if be is None else (be.to_host, be.asarray)
+    px = to_host(p_rows[np.arange(len(drafts)), np.asarray(drafts, dtype=np.int64)]) if drafts else []
     for j, x in enumerate(drafts):
         qx = 1.0 if q is None else q.prob(j, x)
-        if streams.accept_uniform() * qx < p_rows[j, x]:
+        if streams.accept_uniform() * qx < px[j]:
             continue
-        q_full = point_mass_full(x, vocab) if q is None else q.full(j, vocab)
-        residual = np.maximum(p_rows[j] - q_full, 0.0)
-        total = residual.sum()
+        if q is None:  # max(p - onehot(x), 0): p with its x entry zeroed (p[x] <= 1)
+            residual = p_rows[j].copy()
+            residual[x] = 0.0
+        else:
+            residual = p_rows[j] - upload(q.full(j, vocab), np.float64)
+            residual[residual < 0] = 0.0
+        total = float(residual.sum())
         return j, streams.draw(residual / total if total > 0 else p_rows[j])
     return len(drafts), streams.draw(p_rows[len(drafts)])

@@ -29,7 +29,7 @@ from memra.speculative.accept import conf_keep, greedy_accept
 from memra.speculative.contract import (RoundOutcome, SessionStart, check_drafter, check_proposal, check_state,
                                         source_label)
 from memra.speculative.metrics import SpecMetrics
-from memra.speculative.sampling import (DraftSampling, SampleStreams, SamplingParams, accept_walk, filtered_probs,
+from memra.speculative.sampling import (DraftSampling, SampleStreams, SamplingParams, accept_walk, filtered_rows,
                                         refuse_penalties)
 
 
@@ -73,7 +73,7 @@ class SpecSession:
         else:
             self.streams = SampleStreams(model.be, self.sampling.seed)
             self.draft_sampling = DraftSampling(self.sampling, self.streams)
-            self.anchor = self.streams.draw(filtered_probs(logits, self.sampling))
+            self.anchor = self.streams.draw(filtered_rows(model.be, logits, self.sampling))
         self.anchor_emitted = False
         self.undelivered: list[int] = []  # committed by a burst that then failed: the next burst returns them
         self.undelivered_counts = (0, 0)  # (drafted, accepted) behind them
@@ -183,7 +183,7 @@ class SpecSession:
         with m.phase("draft"):
             drafts, q = self._drafts(k)
         rows = [self.anchor] + drafts
-        verify = model.verify_greedy if self.sampling is None else model.verify_rows
+        verify = model.verify_greedy if self.sampling is None else model.verify_logits
         with m.phase("verify"):
             progress["started"] = True
             scored, collapsed, progress["ckpt"] = verify(rows, self.cache, self.tap_layers)
@@ -191,9 +191,8 @@ class SpecSession:
         with m.phase("accept"):
             if self.sampling is None:  # scored: each row's argmax, taken on the device
                 j, bonus = greedy_accept(drafts, scored)
-            else:  # scored: the rows' logits, on the host
-                p_rows = np.stack([filtered_probs(row, self.sampling) for row in scored])
-                j, bonus = accept_walk(p_rows, drafts, q, self.streams)
+            else:  # scored: the rows' logits, filtered where they are
+                j, bonus = accept_walk(filtered_rows(model.be, scored, self.sampling), drafts, q, self.streams, model.be)
         keep = j + 1
         with m.phase("roll"):
             if inst.disable_rollback:

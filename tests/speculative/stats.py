@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from memra.backend.numpy_ref import NumpyBackend
 from memra.backend.philox import MASK32, TAG_ACCEPT, TAG_DRAW, philox4x32_10, to_unit
 from memra.speculative.sampling import SampleStreams
 
@@ -135,10 +136,11 @@ class StreamTable:
         return self.u[self.row[seed], counter]
 
 
-class ReplayBackend:
-    """NumpyBackend.race_draw over a StreamTable: the same numbers through the same race."""
+class ReplayBackend(NumpyBackend):
+    """NumpyBackend with race_draw over a StreamTable: the same numbers through the same race."""
 
     def __init__(self, draws: StreamTable):
+        super().__init__()
         self.draws = draws
 
     def race_draw(self, probs, seed: int, counter: int, tag: int = TAG_DRAW) -> int:

@@ -24,11 +24,12 @@ from memra.backend.cuda.moe import MoeOps
 from memra.backend.cuda.norm import NormOps
 from memra.backend.cuda.philox import PhiloxOps
 from memra.backend.cuda.runtime import position
+from memra.backend.cuda.sampling import FilterOps
 from memra.backend.fp8 import Fp8Block
 from memra.safetensors_io import bf16_to_f32
 
 
-class CudaBackend(DenseOps, DraftOps, NormOps, HyperOps, KdaOps, MlaOps, MoeOps, PhiloxOps):
+class CudaBackend(DenseOps, DraftOps, FilterOps, NormOps, HyperOps, KdaOps, MlaOps, MoeOps, PhiloxOps):
     name = "cuda"
     xp = cp
     compiles_on_first_use = True  # runtime.module: NVRTC builds each family on its first launch

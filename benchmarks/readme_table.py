@@ -2,8 +2,8 @@
 
     python benchmarks/readme_table.py benchmarks/results/bench_ops-*.json benchmarks/results/bench_decode-*.json ...
 
-Reads any mix of bench_ops / bench_decode / bench_verify / bench_spec records (one JSON line each)
-and prints markdown: one table per kind, each naming its file, device, date and git sha.
+Reads any mix of bench_ops / bench_decode / bench_verify / bench_spec / bench_sampled records (one JSON
+line each) and prints markdown: one table per kind, each naming its file, device, date and git sha.
 """
 
 from __future__ import annotations
@@ -155,7 +155,19 @@ def spec(path: str, r: dict) -> list[str]:
     return out
 
 
-TABLES = {"bench_ops": ops, "bench_decode": decode, "bench_verify": verify, "bench_spec": spec}
+def sampled(path: str, r: dict) -> list[str]:
+    """Plain greedy and sampled ms a token, and a sampled accept's ms, filter on the device vs the host."""
+    p, a, c = r["plain_ms_per_token"], r["accept_ms"], r["config"]
+    s = c["sampling"]
+    knobs = ", ".join(f"{k} {v}" for k, v in s.items() if (k, v) not in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)))
+    return [_head(path, r), "", f"| {_preset(r)} ({knobs}) | greedy | sampled | sampled, host filter | "
+            f"accept of {c['rows']} rows | accept, host filter |", "|---|---|---|---|---|---|",
+            f"| ms | {p['greedy']:.2f} | {p['sampled']:.2f} | {p['sampled_host_filter']:.2f} | {a['device']:.2f} | "
+            f"{a['host']:.2f} |"]
+
+
+TABLES = {"bench_ops": ops, "bench_decode": decode, "bench_verify": verify, "bench_spec": spec,
+          "bench_sampled": sampled}
 
 
 def main(argv=None) -> int:

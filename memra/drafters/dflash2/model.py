@@ -41,6 +41,7 @@ from memra.drafters.dflash2.weights import (
 )
 from memra.errors import ConfigError, ContextOverflowError, InputError
 from memra.limits import VERIFY_CAP
+from memra.safetensors_io import f32_to_bf16
 
 F32 = np.float32
 MASK_FILE = "mask_embedding.npy"  # a learned mask row in the drafter directory, used unless overridden
@@ -72,19 +73,21 @@ class DflashKv:
 
 
 class _Layer:
-    def __init__(self, dev, i: int, convs: bool):
+    """One layer's tensors: `dev` loads a vector or conv kernel, `mat` a projection matrix."""
+
+    def __init__(self, dev, mat, i: int, convs: bool):
         p = f"layers.{i}."
         self.ln_in, self.ln_post = dev(p + "input_layernorm.weight"), dev(p + "post_attention_layernorm.weight")
-        self.wq, self.wk = dev(p + "self_attn.q_proj.weight"), dev(p + "self_attn.k_proj.weight")
-        self.wv, self.wo = dev(p + "self_attn.v_proj.weight"), dev(p + "self_attn.o_proj.weight")
+        self.wq, self.wk = mat(p + "self_attn.q_proj.weight"), mat(p + "self_attn.k_proj.weight")
+        self.wv, self.wo = mat(p + "self_attn.v_proj.weight"), mat(p + "self_attn.o_proj.weight")
         self.q_norm, self.k_norm = dev(p + "self_attn.q_norm.weight"), dev(p + "self_attn.k_norm.weight")
-        self.w_gate, self.w_up = dev(p + "mlp.gate_proj.weight"), dev(p + "mlp.up_proj.weight")
-        self.w_down = dev(p + "mlp.down_proj.weight")
+        self.w_gate, self.w_up = mat(p + "mlp.gate_proj.weight"), mat(p + "mlp.up_proj.weight")
+        self.w_down = mat(p + "mlp.down_proj.weight")
         self.attn_base = self.attn_proj = self.mlp_base = self.mlp_proj = None
         if convs:
             self.attn_base, self.attn_proj = dev(p + "attention_conv.base_kernel"), \
-                dev(p + "attention_conv.kernel_projection.weight")
-            self.mlp_base, self.mlp_proj = dev(p + "mlp_conv.base_kernel"), dev(p + "mlp_conv.kernel_projection.weight")
+                mat(p + "attention_conv.kernel_projection.weight")
+            self.mlp_base, self.mlp_proj = dev(p + "mlp_conv.base_kernel"), mat(p + "mlp_conv.kernel_projection.weight")
 
 
 def _check_target(cfg: DflashConfig, target_cfg) -> None:
@@ -106,10 +109,13 @@ class DflashDraft:
         self.be = target_model.be
         xp = self.xp = self.be.xp
         dev = lambda name: xp.asarray(tensors[name], dtype=F32)  # noqa: E731
+        # bf16-held projections keep bf16 storage: the same values, half the bytes (on CUDA the
+        # tensor-core projection; numpy widens them back)
+        mat = (lambda name: self.be.matrix(f32_to_bf16(tensors[name]))) if precision == "bf16" else dev  # noqa: E731
         self.family = family_of(tensors)
         dflash2 = self.family == DFLASH2
-        self.layers = [_Layer(dev, i, dflash2) for i in range(cfg.num_hidden_layers)]
-        self.fc, self.hidden_norm, self.norm = dev("fc.weight"), dev("hidden_norm.weight"), dev("norm.weight")
+        self.layers = [_Layer(dev, mat, i, dflash2) for i in range(cfg.num_hidden_layers)]
+        self.fc, self.hidden_norm, self.norm = mat("fc.weight"), dev("hidden_norm.weight"), dev("norm.weight")
         self.sel_hidden_proj = self.sel_pred = self.sel_succ = None   # the plain backbone has no selector
         if dflash2:
             self.sel_hidden_proj = dev("candidate_selector.hidden_projection.weight")

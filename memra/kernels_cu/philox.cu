@@ -43,18 +43,39 @@ static __device__ __forceinline__ bool race_before(double ob, long long oa, doub
     return ob > b || (ob == b && oa >= 0 && oa < a);
 }
 
-// One block of MEMRA_BLOCK threads; thread t scans i = t, t + MEMRA_BLOCK, ... then a fixed tree.
-extern "C" __global__ void race_draw(const double* p, long long n, unsigned k0, unsigned k1,
-                                     unsigned counter, unsigned tag, long long* out) {
+// The race over one span of entries a block: [blockIdx.x * span, + span) below n, thread t scans
+// its entries t, t + MEMRA_BLOCK, ... then a fixed tree; the span's winner goes to part_*.
+extern "C" __global__ void race_parts(const double* p, long long n, long long span, unsigned k0, unsigned k1,
+                                      unsigned counter, unsigned tag, double* part_best, long long* part_arg) {
     __shared__ double best[MEMRA_BLOCK];
     __shared__ long long arg[MEMRA_BLOCK];
+    const long long lo = (long long)blockIdx.x * span, hi = lo + span < n ? lo + span : n;
     double b = -1.0;
     long long a = -1;
-    for (long long i = threadIdx.x; i < n; i += MEMRA_BLOCK) {
+    for (long long i = lo + threadIdx.x; i < hi; i += MEMRA_BLOCK) {
         const double u = ((double)stream_word(i, k0, k1, counter, tag) + 0.5) / 4294967296.0;
         const double s = p[i] / -log(u);
         if (s > b) { b = s; a = i; }
     }
+    block_best(b, a, best, arg, race_before);
+    if (threadIdx.x == 0) {
+        part_best[blockIdx.x] = b;
+        part_arg[blockIdx.x] = a;
+    }
+}
+
+// The spans' winners, one block: the race's winner (a selection, so any split gives the same).
+extern "C" __global__ void race_pick(const double* part_best, const long long* part_arg, int parts,
+                                     long long* out) {
+    __shared__ double best[MEMRA_BLOCK];
+    __shared__ long long arg[MEMRA_BLOCK];
+    double b = -1.0;
+    long long a = -1;
+    for (int j = threadIdx.x; j < parts; j += MEMRA_BLOCK)
+        if (race_before(part_best[j], part_arg[j], b, a)) {
+            b = part_best[j];
+            a = part_arg[j];
+        }
     block_best(b, a, best, arg, race_before);
     if (threadIdx.x == 0) out[0] = a;
 }

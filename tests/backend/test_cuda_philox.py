@@ -83,7 +83,7 @@ def test_device_uniforms_equal_host_uniforms_bit_for_bit(be, seed, counter, tag,
 
 
 def _probs(rng, case: int) -> np.ndarray:
-    vocab = int(rng.choice([2, 3, 7, 32, 255, 256, 257, 1000, 4099]))
+    vocab = int(rng.choice([2, 3, 7, 32, 255, 256, 257, 1000, 4099, 12289]))  # 4099, 12289: 2 and 4 race spans
     kind = case % 4
     if kind == 0:                                   # dense, continuous
         return rng.dirichlet(np.full(vocab, 0.5))
@@ -119,6 +119,7 @@ def test_device_race_draw_never_picks_a_zero_and_ties_go_low(be):
     one_hot[777] = 1.0
     assert {be.race_draw(one_hot, s, c) for s in range(4) for c in range(8)} == {777}
     assert be.race_draw(np.zeros(300), 5, 6) == 0                      # nothing to draw: index 0
+    assert be.race_draw(np.zeros(9000), 5, 6) == 0                     # ... over three race spans too
 
 
 @pytest.mark.parametrize("draft, k", [("native-mtp", 3), (None, 0)])

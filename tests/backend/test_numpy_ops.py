@@ -182,6 +182,7 @@ ROW_CASES = [
     _case("top_k", _make_argmax, lambda be, r, s, _: be.top_k(r["x"], 9)),
     _case("argmax_prob", _make_argmax, lambda be, r, s, _: be.argmax_prob(r["x"])),
     _case("pick", _make_pick, lambda be, r, s, _: be.pick(r["x"], r["idx"])),
+    _case("filtered_rows", _make_rows_only(x=(256, 3.0)), lambda be, r, s, _: be.filtered_rows(r["x"], 0.8, 20, 0.9, 0.01)),
     _case("kda_gate_lower_bound", _make_kda_gate,
           lambda be, r, s, _: be.kda_gate(r["f"], s["a_log"], s["dt_bias"], -5.0)),
     _case("kda_gate_softplus", _make_kda_gate,
@@ -233,7 +234,8 @@ def test_row_table_covers_every_row_op_of_the_backend():
                    "xp", "compiles_on_first_use", "device_name", "synchronize",  # capabilities
                    "write_rows", "kpool_finalize",  # plane writes: tests/model/test_plane_writes.py
                    "short_conv", "kda_recurrence",  # the stateful table below
-                   "kda_chunks"}  # prime class, not row invariant: tests/backend/test_kda_chunks.py
+                   "kda_chunks",  # prime class, not row invariant: tests/backend/test_kda_chunks.py
+                   "block_attention"}  # a block's rows attend to each other: tests/drafters/test_dflash2_graphs.py
     ops = {n for n in dir(NumpyBackend) if not n.startswith("_")}
     covered = {c.name for c in ROW_CASES}
     missing = [op for op in ops - no_row_axis if not any(c == op or c.startswith(op + "_") for c in covered)]

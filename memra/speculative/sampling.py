@@ -135,12 +135,6 @@ class DraftSampling:
         return self.streams.draw(probs)
 
 
-def point_mass_full(token: int, vocab: int) -> np.ndarray:
-    row = np.zeros(vocab)
-    row[token] = 1.0
-    return row
-
-
 def accept_walk(p_rows, drafts: list[int], q, streams: SampleStreams, be=None) -> tuple[int, int]:
     """Rejection walk over filtered target rows p_rows [len(drafts) + 1, V] -> (j, bonus). The rows
     stay where the backend `be` keeps them (None: on the host): the drafted ids' probabilities
@@ -156,8 +150,7 @@ def accept_walk(p_rows, drafts: list[int], q, streams: SampleStreams, be=None) -
             residual = p_rows[j].copy()
             residual[x] = 0.0
         else:
-            residual = p_rows[j] - upload(q.full(j, vocab), np.float64)
-            residual[residual < 0] = 0.0
+            residual = (p_rows[j] - upload(q.full(j, vocab), np.float64)).clip(0.0, None)
         total = float(residual.sum())
         return j, streams.draw(residual / total if total > 0 else p_rows[j])
     return len(drafts), streams.draw(p_rows[len(drafts)])

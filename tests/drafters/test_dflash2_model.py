@@ -218,6 +218,14 @@ def test_forward_refusals_name_the_bound(tmp_path, target):
         draft.forward_block(kv, [5, 256], kv.len)
     with pytest.raises(InputError, match="9 cached context rows"):
         draft.forward_block(kv, [5, 255], kv.len - 1)
+    block = [5] + [255] * 7
+    with pytest.raises(InputError, match="rows 6..8 outside the 8-row block"):
+        draft.draft_rows(kv, block, kv.len, 6, 3, None)
+    with pytest.raises(InputError, match="top_k=0 outside 1..256"):
+        draft.draft_rows(kv, block, kv.len, 1, 7, 0)
+    rows, logits, (values, ids) = draft.draft_rows(kv, block, kv.len, 1, 7, 4)
+    assert rows.shape == (7, draft.cfg.hidden_size) and logits.shape == (7, 256) and ids.shape == (7, 4)
+    assert np.array_equal(rows, draft.forward_block(kv, block, kv.len)[1:])
 
 
 def test_fixture_drafter_is_well_formed_and_not_an_identity_conv(tmp_path, target, fixture_dir):

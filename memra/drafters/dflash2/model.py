@@ -248,6 +248,8 @@ class DflashDraft:
         if not (0 <= first and 1 <= n and first + n <= len(block_tokens)):
             raise InputError(f"dflash2 draft_rows: rows {first}..{first + n - 1} outside the "
                              f"{len(block_tokens)}-row block")
+        if top_k is not None and not 1 <= top_k <= self.cfg.vocab_size:
+            raise InputError(f"dflash2 draft_rows: top_k={top_k!r} outside 1..{self.cfg.vocab_size} (the vocab)")
         return self._run_block(kv, block_tokens, start_pos, (int(first), int(n), top_k))
 
     def _run_block(self, kv: DflashKv, block_tokens, start_pos: int, harvest):

@@ -13,3 +13,18 @@ def cupy_or_skip():
     if not usable:
         pytest.skip("no usable CUDA device", allow_module_level=True)
     return cp
+
+
+def stale_position_walks():
+    """Red arm of the graph gates: a CUDA walk runner whose replays upload the tokens and arrays
+    but keep the position each graph was captured at (a trunk cache's, a drafter's context length)."""
+    from memra.backend.cuda.graphs import WalkGraphs
+
+    class KeepsTheCapturedPosition(WalkGraphs):
+        def run(self, key, walk, tokens, pos0, *arrays):
+            captured = self.graphs.get(key)
+            if captured is not None:
+                pos0 = int(captured.inputs[0].get())
+            return super().run(key, walk, tokens, pos0, *arrays)
+
+    return KeepsTheCapturedPosition()

@@ -129,7 +129,7 @@ class DraftSampling:
     def filter(self, logits) -> np.ndarray:
         """The filtered row of a logits row, on the host (float64 [V]), filtered where the
         logits are: a device row crosses once, as its probabilities."""
-        return np.asarray(self.streams.be.to_host(filtered_rows(self.streams.be, logits, self.params)))
+        return self.streams.be.to_host(filtered_rows(self.streams.be, logits, self.params))
 
     def draw(self, probs) -> int:
         return self.streams.draw(probs)

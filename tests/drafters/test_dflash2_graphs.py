@@ -16,6 +16,8 @@ from memra import load_model
 from memra.backend.numpy_ref import NumpyBackend
 from memra.drafters.dflash2 import DflashDraft
 
+from tests.gpu import cupy_or_skip, stale_position_walks
+
 from .dflash2_helpers import F32, ctx_rows, drafter
 
 CASES = [  # (b, nh, nkv, hd, n_ctx, causal, window)
@@ -60,7 +62,6 @@ def test_numpy_block_attention_is_the_per_query_definition(case):
 # ---- CUDA ---------------------------------------------------------------------------------------
 
 def _cupy():
-    from tests.gpu import cupy_or_skip
     return cupy_or_skip()
 
 
@@ -77,21 +78,6 @@ def test_cuda_block_attention_is_the_numpy_twin(case):
     for n in (n_ctx, cp.asarray(np.array([n_ctx], np.int32))):  # a host int or the device position
         got = cp.asnumpy(CudaBackend().block_attention(*dev, n, causal, window, hd ** -0.5))
         assert np.isfinite(got).all() and np.allclose(got, want, atol=2e-5)
-
-
-class KeepsTheCapturedContext:
-    """Red arm: a graph runner whose replays keep the context length they were captured at."""
-
-    def __init__(self):
-        from memra.backend.cuda.graphs import WalkGraphs
-
-        self.inner = WalkGraphs()
-
-    def run(self, key, walk, tokens, pos0, *arrays):
-        captured = self.inner.graphs.get(key)
-        if captured is not None:
-            pos0 = int(captured.inputs[0].get())
-        return self.inner.run(key, walk, tokens, pos0, *arrays)
 
 
 def _rounds(draft, walks, appends=(5, 2, 1, 3, 1, 2)):
@@ -132,7 +118,7 @@ def test_captured_rounds_are_the_eager_rounds(cuda_draft):
 def test_red_arm_a_replay_at_a_stale_context_length_breaks_the_identity(cuda_draft):
     appends = (5, 2, 2, 2, 2)  # the block walk: eager, capture, replays; the 2-row append one round later
     _, fresh = _rounds(cuda_draft, None, appends)
-    _, stale = _rounds(cuda_draft, KeepsTheCapturedContext(), appends)
+    _, stale = _rounds(cuda_draft, stale_position_walks(), appends)
     for r in (0, 1):  # before any replay the runners agree
         assert all(np.array_equal(x, y) for x, y in zip(fresh[r], stale[r]))
     assert not all(np.array_equal(x, y) for a, b in zip(fresh, stale) for x, y in zip(a, b))

@@ -14,7 +14,7 @@
 import numpy as np
 import pytest
 
-from tests.gpu import cupy_or_skip
+from tests.gpu import cupy_or_skip, stale_position_walks
 
 pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
@@ -113,20 +113,10 @@ def test_replayed_verify_walks_and_their_rollbacks_are_the_eager_ones(model, t):
         assert _same(eager, graphed)
 
 
-class KeepsTheCapturedPosition(WalkGraphs):
-    """Red arm: replays upload the tokens but keep the position the graph was captured at."""
-
-    def run(self, key, walk, tokens, pos0):
-        captured = self.graphs.get(key)
-        if captured is not None:
-            pos0 = int(captured.inputs[0].get())
-        return super().run(key, walk, tokens, pos0)
-
-
 def test_red_arm_a_replay_at_a_stale_position_breaks_the_identity(model):
     prompt = _prompt(model, 9, 1)
     eager = _greedy(model, [(_cache(model, False), prompt)])[0]
-    stale = _greedy(model, [(_cache(model, True, walks=KeepsTheCapturedPosition()), prompt)])[0]
+    stale = _greedy(model, [(_cache(model, True, walks=stale_position_walks()), prompt)])[0]
     assert np.array_equal(eager[:3], stale[:3])  # eager, eager-before-capture, capture
     assert not _same(eager, stale)
 

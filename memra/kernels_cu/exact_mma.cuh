@@ -64,8 +64,10 @@ static __device__ __forceinline__ uint4 load_w8(const unsigned short* row, int k
 }
 
 // Eight activations of a row from in-feature k; zeros past n_in or for a padded row (null).
+// FULL: the row is present and aligned and k + 8 <= n_in, so the load needs no check.
+template <bool FULL = false>
 static __device__ __forceinline__ void load_x8(const float* row, int k, int n_in, bool aligned, float (&v)[8]) {
-    if (row != nullptr && aligned && k + 8 <= n_in) {
+    if (FULL || (row != nullptr && aligned && k + 8 <= n_in)) {
         const float4 a = *reinterpret_cast<const float4*>(row + k);
         const float4 b = *reinterpret_cast<const float4*>(row + k + 4);
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;

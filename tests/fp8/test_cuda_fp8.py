@@ -128,6 +128,52 @@ def test_fp8_projection_group_gives_each_member_its_own_bits(t):
     assert not dense._counters().any()
 
 
+# ---- whole tiles load without checks --------------------------------------------------------------
+
+def _misaligned(x):
+    """x's values one float off 16-byte alignment: the tiles that read x take their checked loads."""
+    out = cp.empty(x.size + 1, cp.float32)[1:].reshape(x.shape)
+    out[...] = x
+    return out
+
+
+def _unchecked_equals_checked(t: int, launch=None) -> bool:
+    """A projection (45 outputs: a ragged tile) and the experts' gate|up (in-features a multiple of
+    128), with x aligned (unchecked loads, t < 8: missing rows read the tile's first) and one float
+    off (checked loads, missing rows zeros): the same bits?"""
+    rng, ops = np.random.default_rng(t), Fp8Ops()
+    x = cp.asarray(normal(rng, (t, 384)))
+    w = ops.matrix(_fp8(rng, (45, 384), 384 ** -0.5))
+    make, _ = _experts(6, 40, 384, 2)
+    rows, mats = make(rng, t)
+    idx, wts = cp.asarray(rows["idx"]), cp.asarray(rows["wts"])
+    experts = [ops.matrix(mats[n]) for n in ("gate_w", "up_w", "down_w")]
+    same = True
+    for fam, run in (("dense", lambda x: ops.linear(x, w)), ("moe", lambda x: ops.moe_experts(x, idx, wts, *experts, 10.0))):
+        with pytest.MonkeyPatch.context() as m:
+            if launch is not None:
+                m.setattr(dense if fam == "dense" else moe, "launch", launch(fam))
+            whole, checked = run(x), run(_misaligned(x))
+        same &= bool(cp.array_equal(whole.view(cp.uint32), checked.view(cp.uint32)))
+    return same
+
+
+@pytest.mark.parametrize("t", [1, 3, 8, 15])
+def test_unchecked_fp8_tiles_give_the_checked_tiles_bits(t):
+    assert _unchecked_equals_checked(t)
+
+
+def test_red_arm_every_row_read_as_the_first_breaks_the_unchecked_tiles(monkeypatch, tmp_path):
+    """present_rows standing every row in for the first (not only the missing ones) is caught."""
+    exact = "out[i] = in[i] != nullptr ? in[i] : first;"
+    mutants = {}
+    for fam in ("dense", "moe"):
+        (tmp_path / fam).mkdir()
+        mutants[fam] = _mutated_launch(monkeypatch, tmp_path / fam, "exact_mma_fp8.cuh", exact, "out[i] = first;", fam)
+    assert not _unchecked_equals_checked(8, launch=mutants.get)
+    assert _unchecked_equals_checked(8)  # green
+
+
 # ---- the identity gate and its red arms -------------------------------------------------------------
 
 def _identity(n, scales):
@@ -172,7 +218,7 @@ def test_every_e4m3_code_widens_to_its_value(rows):
 
 
 @pytest.mark.parametrize("rows, family, header, exact, broken", [
-    (VERIFY_CAP, "dense", "exact_mma_fp8.cuh", "(x & 0x80008000u)", "(x & 0x00008000u)"),
+    (VERIFY_CAP, "dense", "exact_mma_fp8.cuh", "0x87f087f0u);   // bytes 1, 3", "0x87f007f0u);   // bytes 1, 3"),
     (254, "prime", "prime.cu", "return (b & 0x80) ? -mag : mag;", "return mag;"),
 ])
 def test_red_arm_a_lost_sign_bit_fails_the_code_table(monkeypatch, tmp_path, rows, family, header, exact, broken):

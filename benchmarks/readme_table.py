@@ -2,7 +2,7 @@
 
     python benchmarks/readme_table.py benchmarks/results/bench_ops-*.json benchmarks/results/bench_decode-*.json ...
 
-Reads any mix of bench_ops / bench_decode / bench_verify / bench_spec / bench_sampled records (one JSON
+Reads any mix of bench_ops / bench_decode / bench_verify / bench_spec / bench_sampled / bench_fp8 records (one JSON
 line each) and prints markdown: one table per kind, each naming its file, device, date and git sha.
 """
 
@@ -166,8 +166,21 @@ def sampled(path: str, r: dict) -> list[str]:
             f"{a['host']:.2f} |"]
 
 
+def fp8(path: str, r: dict) -> list[str]:
+    """Each op's FP8 time, against the copy roof's time for its bytes and against bf16."""
+    out = [_head(path, r), "", "| op (GPU time in a CUDA graph, weights from HBM) | t | FP8 | of the copy time of "
+           "its bytes | bf16 | FP8 / bf16 |", "|---|---|---|---|---|---|"]
+    for name, v in r["ops"].items():
+        if name.endswith("_fp8"):
+            op, t = name[:-len("_fp8")].rsplit("_t", 1)
+            bf16 = r["ops"][name[:-len("fp8")] + "bf16"]
+            out.append(f"| {op} | {t} | {_us(v['ms'])} | {_x(v['of_roof'])} | {_us(bf16['ms'])} | "
+                       f"{_x(v['fp8_over_bf16'])} |")
+    return out
+
+
 TABLES = {"bench_ops": ops, "bench_decode": decode, "bench_verify": verify, "bench_spec": spec,
-          "bench_sampled": sampled}
+          "bench_sampled": sampled, "bench_fp8": fp8}
 
 
 def main(argv=None) -> int:

@@ -74,8 +74,10 @@ static __device__ __forceinline__ void load_x8(const float* row, int k, int n_in
         v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
         return;
     }
+    if constexpr (!FULL) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = row != nullptr && k + j < n_in ? row[k + j] : 0.0f;
+        for (int j = 0; j < 8; ++j) v[j] = row != nullptr && k + j < n_in ? row[k + j] : 0.0f;
+    }
 }
 
 static __device__ __forceinline__ unsigned word(const uint4& v, int i) {

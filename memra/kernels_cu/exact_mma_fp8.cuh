@@ -31,8 +31,8 @@ static __device__ __forceinline__ unsigned times_2_120(unsigned v) {
     return out;
 }
 
-// Bytes i and j of x, each as a 16-bit half sign-extended from its byte: byte_perm's sign mode
-// (selector nibble 8 + i copies byte i's top bit into a whole byte).
+// The two bytes of x that selector names, each sign-extended to a 16-bit half: prmt's sign mode
+// (a selector nibble 8 + i fills its byte with byte i's top bit).
 static __device__ __forceinline__ unsigned sign_extended_pair(unsigned x, unsigned selector) {
     unsigned out;
     asm("prmt.b32 %0, %1, %1, %2;" : "=r"(out) : "r"(x), "r"(selector));
@@ -108,7 +108,8 @@ static __device__ __forceinline__ void mma_steps_fp8(const unsigned char* const 
 #pragma unroll
             for (int j = 0; j < J; ++j)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) raw[half][j][h] = load_b16<FULL>(wrow[j][h], kb + 64 * half + 16 * q, n_in, w_aligned);
+                for (int h = 0; h < 2; ++h)
+                    raw[half][j][h] = load_b16<FULL>(wrow[j][h], kb + 64 * half + 16 * q, n_in, w_aligned);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int k = kb + 64 * half + 16 * q;
@@ -154,7 +155,8 @@ static __device__ __forceinline__ void mma_steps_fp8(const unsigned char* const 
 }
 
 // A tile whose operands are all whole (every row 16-byte aligned, n_in a multiple of FP8_BLOCK)
-// runs its loads without checks, a third fewer instructions: a missing row (nullptr) then reads
+// runs its loads without checks (compares, branches and their address arithmetic were a third of
+// a checked tile's instructions, which bound it more than its bytes): a missing row (nullptr) reads
 // lane 0's first row, which every tile has (its first weight row, its pass's first activation
 // row), and a missing 16-row block the first block's scales. Such a row's MMA row or column is
 // never stored, and an MMA's output row m (column n) depends on its A row m (B column n) only,

@@ -148,8 +148,9 @@ def _unchecked_equals_checked(t: int, launch=None) -> bool:
     rows, mats = make(rng, t)
     idx, wts = cp.asarray(rows["idx"]), cp.asarray(rows["wts"])
     experts = [ops.matrix(mats[n]) for n in ("gate_w", "up_w", "down_w")]
+    runs = {"dense": lambda x: ops.linear(x, w), "moe": lambda x: ops.moe_experts(x, idx, wts, *experts, 10.0)}
     same = True
-    for fam, run in (("dense", lambda x: ops.linear(x, w)), ("moe", lambda x: ops.moe_experts(x, idx, wts, *experts, 10.0))):
+    for fam, run in runs.items():
         with pytest.MonkeyPatch.context() as m:
             if launch is not None:
                 m.setattr(dense if fam == "dense" else moe, "launch", launch(fam))

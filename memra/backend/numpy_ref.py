@@ -241,19 +241,20 @@ class NumpyBackend(NumpyKdaOps, NumpyDraftOps, NumpyFilterOps):
         """
         t, n, _ = streams.shape
         pre, post = np.empty((t, n), F32), np.empty((t, n), F32)
-        comb = np.empty((t, n, n), F32)
+        c = np.empty((t, n, n), F32)
         eps = F32(hc_eps)
         for r in range(t):
             m = fn @ _rmsnorm_row(streams[r].reshape(-1), rms_eps)
             pre[r] = _sigmoid(m[:n] * scale[0] + base[:n]) + eps
             post[r] = F32(2) * _sigmoid(m[n:2 * n] * scale[1] + base[n:2 * n])
-            c = _softmax(m[2 * n:].reshape(n, n) * scale[2] + base[2 * n:].reshape(n, n)) + eps
-            c = c / (c.sum(axis=0, keepdims=True) + eps)
-            for _ in range(iters - 1):
-                c = c / (c.sum(axis=1, keepdims=True) + eps)
-                c = c / (c.sum(axis=0, keepdims=True) + eps)
-            comb[r] = c
-        return pre, post, comb
+            c[r] = _softmax(m[2 * n:].reshape(n, n) * scale[2] + base[2 * n:].reshape(n, n)) + eps
+        # every row's Sinkhorn at once: a sum over a row's columns (axis 1) or its rows (axis 2) is
+        # the same adds in the same order as that row alone, and there are 2 iters numpy calls, not 2 t iters
+        c = c / (c.sum(axis=1, keepdims=True) + eps)
+        for _ in range(iters - 1):
+            c = c / (c.sum(axis=2, keepdims=True) + eps)
+            c = c / (c.sum(axis=1, keepdims=True) + eps)
+        return pre, post, c
 
     def hc_collapse(self, streams: np.ndarray, pre: np.ndarray) -> np.ndarray:
         """sum_i pre_i X_i, accumulated in stream order: [t, n, D] -> [t, D]."""

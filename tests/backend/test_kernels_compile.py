@@ -3,9 +3,12 @@ constants' -D defines (CI has nvcc, no GPU), and a plain `nvcc file.cu` (no -D, 
 very same cubin through the generated constants.cuh. NVRTC compiles the same sources at run time
 on the GPU host with the same options (backend/cuda/runtime.py)."""
 
+import functools
 import shutil
 import subprocess
+import tempfile
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
@@ -16,9 +19,25 @@ SOURCES = sorted(p.name for p in KERNELS.iterdir() if p.name.endswith(".cu"))
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed on this machine")
 
 
-def nvcc(name: str, out, build=(*DEFINES, "-I", str(KERNELS))) -> subprocess.CompletedProcess:
-    cmd = ["nvcc", *FLAGS, *build, "-arch=sm_90", "-cubin", "-o", str(out), str(KERNELS.joinpath(name))]
-    return subprocess.run(cmd, capture_output=True, text=True)
+def nvcc(name: str, out, build=(*DEFINES, "-I", str(KERNELS))) -> list[str]:
+    return ["nvcc", *FLAGS, *build, "-arch=sm_90", "-cubin", "-o", str(out), str(KERNELS.joinpath(name))]
+
+
+@functools.cache
+def cubins(name: str) -> dict:
+    """A family's cubin as the build makes it ("build": the -D defines and the include path) and
+    as a plain `nvcc file.cu` does ("plain"), compiled side by side and once for both tests below
+    (nvcc is most of their time)."""
+    with tempfile.TemporaryDirectory() as d:
+        runs = {kind: subprocess.Popen(nvcc(name, Path(d) / f"{kind}.cubin", *build), stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+                for kind, build in (("build", ()), ("plain", ((),)))}
+        out = {}
+        for kind, proc in runs.items():
+            _, err = proc.communicate()
+            assert proc.returncode == 0, f"the {kind} build of {name}: {err}"
+            out[kind] = (Path(d) / f"{kind}.cubin").read_bytes()
+        return out
 
 
 def test_kernel_sources_ship_with_the_package():
@@ -28,18 +47,15 @@ def test_kernel_sources_ship_with_the_package():
 
 @needs_nvcc
 @pytest.mark.parametrize("name", SOURCES)
-def test_kernel_family_compiles_for_sm90(name, tmp_path):
-    proc = nvcc(name, tmp_path / "k.cubin")
-    assert proc.returncode == 0, proc.stderr
+def test_kernel_family_compiles_for_sm90(name):
+    assert cubins(name)["build"]
     assert "use_fast_math" not in KERNELS.joinpath(name).read_text()
 
 
 @needs_nvcc
 @pytest.mark.parametrize("name", SOURCES)
-def test_a_plain_nvcc_build_is_the_same_cubin(name, tmp_path):
+def test_a_plain_nvcc_build_is_the_same_cubin(name):
     """Built as a newcomer would, with no -D defines and no include path, a family compiles to
     the same machine code as the build's: the generated header carries the same table."""
-    plain = nvcc(name, tmp_path / "plain.cubin", build=())
-    assert plain.returncode == 0, plain.stderr
-    assert nvcc(name, tmp_path / "build.cubin").returncode == 0
-    assert (tmp_path / "plain.cubin").read_bytes() == (tmp_path / "build.cubin").read_bytes()
+    built = cubins(name)
+    assert built["plain"] == built["build"]

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from memra.backend.philox import host_u01
-from memra.backend.sampling_filter import filtered_by_sort
 from memra.backend.sampling_filter import filtered_probs as reference_filter
 from memra.errors import InputError
 
@@ -86,11 +85,6 @@ def filtered_probs(logits, sp: SamplingParams) -> np.ndarray:
     """The filtered distribution of one logits row (float64 [V], zeros outside the kept set):
     memra.backend.sampling_filter.filtered_probs, the definition every backend's rows follow."""
     return reference_filter(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
-
-
-def _filtered_probs_by_sort(z: np.ndarray, sp: SamplingParams) -> np.ndarray:
-    """filtered_probs by its definition, sorting the whole temperature-scaled row z (the tests' oracle)."""
-    return filtered_by_sort(z, sp.top_k, sp.top_p, sp.min_p)
 
 
 def filtered_rows(be, logits, sp: SamplingParams):

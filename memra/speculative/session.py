@@ -192,7 +192,8 @@ class SpecSession:
             if self.sampling is None:  # scored: each row's argmax, taken on the device
                 j, bonus = greedy_accept(drafts, scored)
             else:  # scored: the rows' logits, filtered where they are
-                j, bonus = accept_walk(filtered_rows(model.be, scored, self.sampling), drafts, q, self.streams, model.be)
+                p_rows = filtered_rows(model.be, scored, self.sampling)
+                j, bonus = accept_walk(p_rows, drafts, q, self.streams, model.be)
         keep = j + 1
         with m.phase("roll"):
             if inst.disable_rollback:

@@ -61,14 +61,10 @@ def test_numpy_block_attention_is_the_per_query_definition(case):
 
 # ---- CUDA ---------------------------------------------------------------------------------------
 
-def _cupy():
-    return cupy_or_skip()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_block_attention_is_the_numpy_twin(case):
-    cp = _cupy()
+    cp = cupy_or_skip()
     from memra.backend.cuda.backend import CudaBackend
 
     b, nh, nkv, hd, n_ctx, causal, window = case
@@ -84,7 +80,7 @@ def _rounds(draft, walks, appends=(5, 2, 1, 3, 1, 2)):
     """Context appends of the given sizes, each followed by a round's draft_rows -> host arrays."""
     from memra.backend.cuda.graphs import WalkGraphs
 
-    cp = _cupy()
+    cp = cupy_or_skip()
     kv = draft.new_kv(64)
     kv.walks = walks if walks is not None else WalkGraphs(enabled=False)
     out = []
@@ -98,7 +94,7 @@ def _rounds(draft, walks, appends=(5, 2, 1, 3, 1, 2)):
 
 @pytest.fixture(scope="module")
 def cuda_draft(tmp_path_factory, fixture_dir):
-    _cupy()
+    cupy_or_skip()
     model = load_model(fixture_dir("small"), backend="cuda")
     d = drafter(tmp_path_factory.mktemp("graphs"), sliding_window=6, layer_types=["sliding_attention", "full_attention"])
     return DflashDraft.load(d, model)

@@ -26,7 +26,14 @@ from memra.backend.numpy_ref import NumpyBackend
 from memra.errors import InputError
 from memra.generate import generate
 from memra.backend.philox import MASK32, TAG_ACCEPT, TAG_DRAW, host_u01, philox4x32_10, to_unit, uniforms, words
-from memra.speculative.sampling import SamplingParams, _filtered_probs_by_sort, filtered_probs
+from memra.backend.sampling_filter import filtered_by_sort
+from memra.speculative.sampling import SamplingParams, filtered_probs
+
+
+def _by_sort(z, sp):
+    """The filter by its definition: the whole temperature-scaled row z sorted (the oracle)."""
+    return filtered_by_sort(z, sp.top_k, sp.top_p, sp.min_p)
+
 
 # ---- Philox: known answers and stream addressing ----------------------------------------------------
 KAT = [  # Random123 kat_vectors, philox4x32 10: (ctr, key) -> out
@@ -35,6 +42,7 @@ KAT = [  # Random123 kat_vectors, philox4x32 10: (ctr, key) -> out
     ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
+
 
 
 @pytest.mark.parametrize("ctr, key, want", KAT, ids=["zeros", "ones", "pi"])
@@ -165,7 +173,7 @@ def test_filter_is_bit_for_bit_the_whole_row_sort(logits, sp):
     """filtered_probs skips the full sort where it can; every bit must still be the sorted
     definition's (ties, +-0, +-inf and NaN rows included)."""
     row = np.asarray(logits, dtype=np.float32)
-    got, want = filtered_probs(row, sp), _filtered_probs_by_sort(row.astype(np.float64) / sp.temperature, sp)
+    got, want = filtered_probs(row, sp), _by_sort(row.astype(np.float64) / sp.temperature, sp)
     assert np.array_equal(got, want, equal_nan=True)
 
 
@@ -175,7 +183,7 @@ def test_filter_is_bit_for_bit_the_whole_row_sort(logits, sp):
 def test_filter_at_a_real_vocabulary_is_bit_for_bit_the_whole_row_sort(sp):
     row = (np.random.default_rng(3).standard_normal(154880) * 4).astype(np.float32)
     row[[7, 90000]] = row.max()  # a tie at the top
-    assert np.array_equal(filtered_probs(row, sp), _filtered_probs_by_sort(row.astype(np.float64) / sp.temperature, sp))
+    assert np.array_equal(filtered_probs(row, sp), _by_sort(row.astype(np.float64) / sp.temperature, sp))
 
 
 def test_a_nucleus_boundary_tie_keeps_the_sorted_rows_first_token():
@@ -186,7 +194,7 @@ def test_a_nucleus_boundary_tie_keeps_the_sorted_rows_first_token():
     sp = SamplingParams(temperature=1.0, top_p=0.7)
     p = filtered_probs(row, sp)
     assert np.count_nonzero(p) == 2 and p[0] > 0 and p[1] == 0  # the lower index of the tie survives
-    assert np.array_equal(p, _filtered_probs_by_sort(row.astype(np.float64), sp))
+    assert np.array_equal(p, _by_sort(row.astype(np.float64), sp))
 
 
 @settings(max_examples=300, deadline=None)

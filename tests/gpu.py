@@ -4,8 +4,10 @@ import pytest
 
 
 def cupy_or_skip():
-    """Return the cupy module, or skip the calling test module (no CuPy, no driver, no device)."""
+    """Return the cupy module, or skip the calling test module (no CuPy or cuda-bindings, no driver,
+    no device)."""
     cp = pytest.importorskip("cupy")
+    pytest.importorskip("cuda.bindings")
     try:
         usable = cp.cuda.runtime.getDeviceCount() > 0
     except Exception:  # no driver or no device: skipped, not errored

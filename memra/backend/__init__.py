@@ -1,7 +1,7 @@
 """Compute backends: one op set (see numpy_ref.NumpyBackend), two implementations.
 
-`get_backend("numpy")` runs everywhere; `"cuda"` needs CuPy and a usable GPU; `"auto"` picks
-cuda when it is usable and numpy otherwise.
+`get_backend("numpy")` runs everywhere; `"cuda"` needs CuPy, NVIDIA's cuda-bindings (the launches,
+backend/cuda/runtime.py) and a usable GPU; `"auto"` picks cuda when it is usable and numpy otherwise.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ BACKENDS = ("numpy", "cuda", "auto")
 def cuda_available() -> bool:
     try:
         import cupy
+        from cuda.bindings import driver  # noqa: F401
 
         return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, no driver, no device: all mean "not usable"
+    except Exception:  # no cupy or cuda-bindings, no driver, no device: all mean "not usable"
         return False
 
 
@@ -31,13 +32,9 @@ def get_backend(name: str):
         return NumpyBackend()
     if not cuda_available():
         raise BackendError(
-            "backend='cuda' needs CuPy and a CUDA GPU, and none is usable here: install "
-            "memra[cuda12] or memra[cuda13] on a GPU machine, or use backend='numpy'"
+            "backend='cuda' needs CuPy, cuda-bindings and a CUDA GPU, and none is usable here: "
+            "install memra[cuda12] or memra[cuda13] on a GPU machine, or use backend='numpy'"
         )
-    try:
-        from memra.backend.cuda import CudaBackend
-    except ImportError:
-        raise BackendError(
-            "this memra build has no CUDA backend yet: use backend='numpy'"
-        ) from None
+    from memra.backend.cuda import CudaBackend
+
     return CudaBackend()

@@ -8,6 +8,19 @@
 // header generated from the same table.
 #include "constants.cuh"
 
+// Every memra kernel opens with this call. runtime.launch launches each grid with programmatic
+// dependent launch (sm_90+): the grid may start while its predecessor in the stream still runs,
+// so its launch and block setup hide under the predecessor's tail. The wait holds every read and
+// write until the predecessor has completed and its writes are visible (the stream's order, as
+// without the attribute); only then does this grid let its own successor launch, so at most two
+// grids are in flight. Both instructions are no-ops on a launch without the attribute.
+__device__ __forceinline__ void after_predecessor() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
     return __uint_as_float(((unsigned int)b) << 16);
 }

@@ -113,10 +113,12 @@ static __device__ void project(const float* __restrict__ x, const float* __restr
 #define PROJECTIONS(T, O)                                                                          \
     extern "C" __global__ void linear_f32_t##T(const float* x, const float* w, float* y, int t,     \
                                                int n_in, int n_out) {                              \
+        after_predecessor();                                                                       \
         project<T, O>(x, w, y, t, n_in, n_out, n_in, n_out);                                \
     }                                                                                              \
     extern "C" __global__ void head_linear_f32_t##T(const float* x, const float* w, float* y,       \
                                                     int t, int n_in, int n_out) {                  \
+        after_predecessor();                                                                       \
         const long long h = blockIdx.y, heads = gridDim.y;                                         \
         project<T, O>(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out,    \
                              heads * n_in, heads * n_out);                                         \
@@ -158,6 +160,7 @@ static __device__ void project_bf16(const float* x, const unsigned short* w, flo
 #define HEAD_PROJECTIONS_BF16(NT)                                                                  \
     extern "C" __global__ void head_linear_bf16_n##NT(const float* x, const unsigned short* w,     \
                                                       float* y, int t, int n_in, int n_out) {      \
+        after_predecessor();                                                                       \
         const long long h = blockIdx.y, heads = gridDim.y;                                         \
         project_bf16<NT>(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out,        \
                          heads * n_in, heads * n_out, n_in, blockIdx.x);                           \
@@ -261,6 +264,7 @@ static __device__ void group_block(const long long* table, int members, float* y
     extern "C" __global__ void __launch_bounds__(MMA_THREADS, BF16_BLOCKS)                         \
     linear_group_bf16_n##NT(const float* x, const long long* table, int members, float* y,         \
                             float* part, int* counters, int t, int n_in) {                         \
+        after_predecessor();                                                                       \
         group_block(table, members, y, part, counters, t, n_in,                                    \
                     [&](const long long* f, float* out, int len, long long k0, int tile) {         \
                         const unsigned short* w = reinterpret_cast<const unsigned short*>(f[G_W]); \
@@ -271,6 +275,7 @@ static __device__ void group_block(const long long* table, int members, float* y
     extern "C" __global__ void __launch_bounds__(MMA_THREADS, FP8_BLOCKS)                          \
     linear_group_fp8_n##NT(const float* x, const long long* table, int members, float* y,          \
                            float* part, int* counters, int t, int n_in) {                          \
+        after_predecessor();                                                                       \
         group_block(table, members, y, part, counters, t, n_in,                                    \
                     [&](const long long* f, float* out, int len, long long k0, int tile) {         \
                         project_fp8<NT>(x, reinterpret_cast<const unsigned char*>(f[G_W]),         \
@@ -294,11 +299,13 @@ static __device__ void gather(const W* table, const int* ids, float* y, int voca
 
 extern "C" __global__ void embed_f32(const float* table, const int* ids, float* y, int vocab,
                                      int dim) {
+    after_predecessor();
     gather(table, ids, y, vocab, dim);
 }
 
 extern "C" __global__ void embed_bf16(const unsigned short* table, const int* ids, float* y,
                                       int vocab, int dim) {
+    after_predecessor();
     gather(table, ids, y, vocab, dim);
 }
 
@@ -306,6 +313,7 @@ extern "C" __global__ void embed_bf16(const unsigned short* table, const int* id
 // graph keeps writing the plane's next rows as it grows (grid-stride, a plain copy).
 extern "C" __global__ void write_rows(const float* src, float* dst, long long n, const int* at,
                                       int width) {
+    after_predecessor();
     float* base = dst + (long long)at[0] * width;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
@@ -314,12 +322,14 @@ extern "C" __global__ void write_rows(const float* src, float* dst, long long n,
 
 // Elementwise activations over n floats (grid-stride; no reduction, so trivially row-exact).
 extern "C" __global__ void silu_kernel(const float* x, float* y, long long n) {
+    after_predecessor();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         y[i] = siluf_exact(x[i]);
 }
 
 extern "C" __global__ void sigmoid_kernel(const float* x, float* y, long long n) {
+    after_predecessor();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         y[i] = sigmoidf_exact(x[i]);
@@ -328,12 +338,14 @@ extern "C" __global__ void sigmoid_kernel(const float* x, float* y, long long n)
 // x * s and a + b over n floats: one IEEE float32 operation an element (round to nearest, no
 // contraction to fuse), so the bits are numpy's and those of CuPy's own multiply / add.
 extern "C" __global__ void scale_kernel(const float* x, float* y, long long n, float s) {
+    after_predecessor();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         y[i] = x[i] * s;
 }
 
 extern "C" __global__ void add_kernel(const float* a, const float* b, float* y, long long n) {
+    after_predecessor();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         y[i] = a[i] + b[i];
@@ -342,6 +354,7 @@ extern "C" __global__ void add_kernel(const float* a, const float* b, float* y, 
 // silu(min(gate, limit)) * clip(up, -limit, limit); the comparisons let NaN through as numpy does.
 extern "C" __global__ void swiglu_kernel(const float* gate, const float* up, float* y, long long n,
                                          float limit) {
+    after_predecessor();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         y[i] = swiglu_clamped(gate[i], up[i], limit);

@@ -14,6 +14,7 @@ extern "C" __global__ void block_attention(const float* q, const float* k_ctx, c
                                            const float* k_blk, const float* v_blk, const int* n_ctx,
                                            float* out, int b, int nh, int nkv, int hd, int causal,
                                            int window, float scale) {
+    after_predecessor();
     constexpr int PER_LANE = DRAFT_MAX_HD / 32;
     __shared__ float warp_max[WARPS_PER_BLOCK], warp_sum[WARPS_PER_BLOCK];
     __shared__ float warp_acc[WARPS_PER_BLOCK][DRAFT_MAX_HD];

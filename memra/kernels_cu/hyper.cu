@@ -37,6 +37,7 @@ static_assert(HC_CHUNK == 8 * MEMRA_BLOCK, "thread i of a chunk owns its element
 // Each slot: thread i's 8 products in order, the warp butterfly, the warps in order.
 extern "C" __global__ void hc_partials(const float* __restrict__ streams, const float* __restrict__ fn,
                                        float* __restrict__ part, int n, int d) {
+    after_predecessor();
     __shared__ float red[WARPS_PER_BLOCK][HC_SLOTS];
     const int r = blockIdx.y, c = blockIdx.x, chunks = gridDim.x, nd = n * d, outs = (2 + n) * n;
     const int j0 = blockIdx.z * HC_SLOTS, j1 = min(j0 + HC_SLOTS, outs + 1);
@@ -76,6 +77,7 @@ extern "C" __global__ void hc_weights(const float* __restrict__ part, const floa
                                       const float* __restrict__ scale, float* __restrict__ pre,
                                       float* __restrict__ post, float* __restrict__ comb, int n,
                                       int d, int chunks, float rms_eps, float hc_eps, int iters) {
+    after_predecessor();
     __shared__ float m[HC_MAX_OUTS + 1];
     __shared__ float c[HC_MAX_N * HC_MAX_N];
     const int r = blockIdx.x, outs = (2 + n) * n, a = threadIdx.x / n, b = threadIdx.x % n;
@@ -117,6 +119,7 @@ extern "C" __global__ void hc_weights(const float* __restrict__ part, const floa
 // out[r, k] = sum_i pre[r, i] X[r, i, k], streams accumulated 0..n-1.
 extern "C" __global__ void hc_collapse(const float* __restrict__ streams, const float* __restrict__ pre,
                                        float* __restrict__ out, int t, int n, int d) {
+    after_predecessor();
     for_column_rows(t, d, [&](long long r, int k) {
         const float* x = streams + r * n * d + k;
         float acc = pre[r * n] * x[0];
@@ -130,6 +133,7 @@ extern "C" __global__ void hc_collapse(const float* __restrict__ streams, const 
 extern "C" __global__ void hc_combine(const float* __restrict__ streams, const float* __restrict__ f,
                                       const float* __restrict__ post, const float* __restrict__ comb,
                                       float* __restrict__ out, int t, int n, int d) {
+    after_predecessor();
     for_column_rows(t, d, [&](long long r, int k) {
         const float* x = streams + r * n * d + k;
         float xs[HC_MAX_N];
@@ -150,6 +154,7 @@ extern "C" __global__ void hc_combine(const float* __restrict__ streams, const f
 // Unweighted stream mean: sum in stream order, then one division by n (as the reference).
 extern "C" __global__ void stream_mean(const float* __restrict__ streams, float* __restrict__ out,
                                        int t, int n, int d) {
+    after_predecessor();
     for_column_rows(t, d, [&](long long r, int k) {
         const float* x = streams + r * n * d + k;
         float acc = x[0];

@@ -37,6 +37,7 @@ extern "C" __global__ void short_conv(const float* __restrict__ x, float* __rest
                                       const float* __restrict__ w, float* __restrict__ out,
                                       int t, int c, int k, int cg, float* __restrict__ rows,
                                       long long row_stride) {
+    after_predecessor();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= c) return;
     float* o = out + (long long)(ch / cg) * t * cg + ch % cg;  // row r at o[r * cg]
@@ -56,6 +57,7 @@ extern "C" __global__ void short_conv(const float* __restrict__ x, float* __rest
 extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __restrict__ a_log,
                                     const float* __restrict__ dt_bias, float* __restrict__ out,
                                     int t, int hk, int dk, int has_lb, float lb) {
+    after_predecessor();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)t * hk * dk) return;
     const int h = (int)((idx / dk) % hk), i = (int)(idx % dk);
@@ -198,6 +200,7 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
                                     const float* __restrict__ beta, float* __restrict__ state,        \
                                     float* __restrict__ out, int t, int hk, int dk, int dv,           \
                                     float* __restrict__ rows, long long row_stride) {                 \
+        after_predecessor();                                                                          \
         kda_rows<SLOTS>(q, k, v, g, beta, state, out, t, hk, dk, dv, rows, row_stride);    \
     }
 KDA_RECURRENCE(kda_recurrence_s4, 4)             // dk <= 128 (every KDA checkpoint so far)
@@ -208,6 +211,7 @@ KDA_RECURRENCE(kda_recurrence, KDA_MAX_DK / 32)  // up to KDA_MAX_DK
 extern "C" __global__ void short_conv_spans(const float* __restrict__ x, const float* __restrict__ ring,
                                             const float* __restrict__ w, float* __restrict__ out,
                                             int t, int c, int k, int cg) {
+    after_predecessor();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     const int r0 = blockIdx.y * KDA_CONV_SPAN, r1 = min(r0 + KDA_CONV_SPAN, t);
     if (ch >= c) return;

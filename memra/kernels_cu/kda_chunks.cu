@@ -33,6 +33,7 @@ kda_chunk_prep(const float* __restrict__ q, const float* __restrict__ k,
                                           float* __restrict__ u0, float* __restrict__ qm,
                                           float* __restrict__ qtil, float* __restrict__ khat,
                                           float* __restrict__ decay, int row0, int t, int hk, int dk, int dv) {
+    after_predecessor();
     __shared__ float sq[CH][MAX_DK], sk[CH][MAX_DK], hi[CH][MAX_DK], lo[CH][MAX_DK];
     __shared__ float sb[CH], sa[CH][CH];
     const int ci = blockIdx.x, h = blockIdx.y;
@@ -162,6 +163,7 @@ kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const 
                const float* __restrict__ qtil, const float* __restrict__ khat, const float* __restrict__ decay,
                float* __restrict__ state, float* __restrict__ out, int row0, int nc, int t, int hk,
                int dk, int dv) {
+    after_predecessor();
     extern __shared__ __align__(16) float stages[];  // 2 * STAGE_FLOATS
     __shared__ float sp[CH][TILE];
     static_assert(SCAN_WARPS * 2 * CH * TILE <= 2 * CH * MAX_DK, "the partial sums fit where W, Qtil were");

@@ -24,6 +24,7 @@ static __device__ float pool_channel(const float* k, const float* g, const float
 // Pool keys of npool pools laid out [npool, P, Di]: thread (pool j, channel d).
 extern "C" __global__ void kpool_compress(const float* keys, const float* gates, const float* ape,
                                           float* out, int npool, int P, int Di) {
+    after_predecessor();
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (id >= (long long)npool * Di) return;
     long long j = id / Di;
@@ -36,6 +37,7 @@ extern "C" __global__ void kpool_compress(const float* keys, const float* gates,
 // rows into pool_keys. Thread (pool j - at/P, channel d); the grid covers t/P + 1 pools.
 extern "C" __global__ void kpool_finalize(const float* keys, const float* gates, const float* ape,
                                           float* pool_keys, const int* at, int t, int P, int Di) {
+    after_predecessor();
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long j = at[0] / P + id / Di;
     if (j >= (at[0] + t) / P) return;
@@ -50,6 +52,7 @@ extern "C" __global__ void kpool_finalize(const float* keys, const float* gates,
 extern "C" __global__ void kpool_scores(const float* q, const float* w, const float* pool_keys,
                                         float* scores, const int* at, int pool, int budget, int Hi,
                                         int Di, int nmax, float scale) {
+    after_predecessor();
     int r = blockIdx.y;
     int j = blockIdx.x * blockDim.x + threadIdx.x;
     int n = (at[0] + r + 1) / pool;
@@ -72,6 +75,7 @@ extern "C" __global__ void kpool_scores(const float* q, const float* w, const fl
 // Dynamic shared memory: budget ints.
 extern "C" __global__ void kpool_select(const float* scores, int* out, const int* at, int pool,
                                         int budget, int width, int nmax) {
+    after_predecessor();
     __shared__ float sv[MEMRA_BLOCK];
     __shared__ int si[MEMRA_BLOCK];
     extern __shared__ int chosen[];
@@ -212,16 +216,19 @@ __device__ void mla_scores_tile(const float* q, const float* latent, const int* 
 
 extern "C" __global__ void mla_scores_p1(const float* q, const float* latent, const int* positions,
                                          float* scores, int H, int R, int W, float scale) {
+    after_predecessor();
     mla_scores_tile<1>(q, latent, positions, scores, H, R, W, scale);
 }
 
 extern "C" __global__ void mla_scores_p2(const float* q, const float* latent, const int* positions,
                                          float* scores, int H, int R, int W, float scale) {
+    after_predecessor();
     mla_scores_tile<2>(q, latent, positions, scores, H, R, W, scale);
 }
 
 // grid (t * H), block MEMRA_BLOCK: scores -> probabilities in place; invalid entries get 0.
 extern "C" __global__ void mla_softmax(float* scores, const int* positions, int H, int W) {
+    after_predecessor();
     __shared__ float shm[MEMRA_BLOCK];
     const int* pos = positions + (long long)(blockIdx.x / H) * W;
     float* s = scores + (long long)blockIdx.x * W;
@@ -266,6 +273,7 @@ struct MixLoads {
 // Thread (warp w, lane l) holds heads 8 w .. 8 w + 7 of the pass and channels kb + 4 l .. + 3.
 extern "C" __global__ void mla_mix(const float* probs, const float* latent, const int* positions,
                                    float* part, int H, int R, int W, int split) {
+    after_predecessor();
     __shared__ __align__(16) float cs[MIX_STEP][MIX_CHANNELS];
     __shared__ __align__(16) float pt[MIX_STEP][ATT_HEADS + 4];  // +4: float4 rows, fewer clashes
     __shared__ int ps[MIX_SPLIT];
@@ -330,6 +338,7 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
 // grid blocks_of(t * H * R), thread = one output: the split partials added in split order.
 extern "C" __global__ void mla_mix_combine(const float* part, float* out, int t, int H, int R,
                                            int nsplit) {
+    after_predecessor();
     const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long hr = (long long)H * R;
     if (id >= t * hr) return;

@@ -28,6 +28,7 @@ static __device__ __forceinline__ float warp_dot(const T* w, const float* x, int
 constexpr int ROUTER_BATCH = 64;
 extern "C" __global__ void moe_router_logits(const float* __restrict__ x, const float* __restrict__ w_gate,
                                              float* __restrict__ logits, int t, int E, int D) {
+    after_predecessor();
     const int lane = threadIdx.x, e = blockIdx.x, r = blockIdx.y;
     const float* we = w_gate + (long long)e * D;
     const float* xr = x + (long long)r * D;
@@ -84,6 +85,7 @@ extern "C" __global__ void moe_route_select(const float* logits, const float* bi
                                             long long* experts, float* weights, int t, int E,
                                             int n_group, int topk_group, int k, int renormalize,
                                             float scaling, int shared) {
+    after_predecessor();
     extern __shared__ float biased[];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int r = blockIdx.x * (blockDim.x / 32) + warp;
@@ -208,11 +210,13 @@ static __device__ void down(const float* h, const long long* idx, const T* down_
 extern "C" __global__ void moe_gate_up_f32(const float* x, const long long* idx, const float* gw,
                                            const float* uw, float* h, int t, int k, int I, int D,
                                            float limit) {
+    after_predecessor();
     gate_up(x, idx, gw, uw, h, t, k, I, D, limit);
 }
 
 extern "C" __global__ void moe_down_f32(const float* h, const long long* idx, const float* dw,
                                         float* y, int t, int k, int I, int D) {
+    after_predecessor();
     down(h, idx, dw, y, t, k, I, D);
 }
 
@@ -220,6 +224,7 @@ extern "C" __global__ void moe_down_f32(const float* h, const long long* idx, co
 // One block. The bf16 expert kernels run one block row per listed expert, so a decode step
 // launches blocks only for the k experts it reads instead of for all E.
 extern "C" __global__ void moe_expert_list(const long long* idx, int n, int E, int* list, int* count) {
+    after_predecessor();
     __shared__ int used[MOE_MAX_EXPERTS];
     __shared__ int warp_hits[WARPS_PER_BLOCK];
     __shared__ int listed;
@@ -253,12 +258,14 @@ extern "C" __global__ void moe_expert_list(const long long* idx, int n, int E, i
                                                       const unsigned short* gw,                    \
                                                       const unsigned short* uw, float* h, int t,   \
                                                       int k, int I, int D, float limit) {          \
+        after_predecessor();                                                                       \
         gate_up_bf16<NT>(x, idx, list, listed, gw, uw, h, t, k, I, D, limit);                      \
     }                                                                                              \
     extern "C" __global__ void moe_down_bf16_n##NT(const float* h, const long long* idx,           \
                                                    const int* list, const int* listed,             \
                                                    const unsigned short* dw, float* y, int t,      \
                                                    int k, int I, int D) {                          \
+        after_predecessor();                                                                       \
         down_bf16<NT>(h, idx, list, listed, dw, y, t, k, I, D);                                    \
     }
 
@@ -269,12 +276,14 @@ EXPERTS_BF16(1) EXPERTS_BF16(2)
         const float* x, const long long* idx, const int* list, const int* listed,                  \
         const unsigned char* gw, const float* gs, const unsigned char* uw, const float* us,        \
         float* h, int t, int k, int I, int D, float limit) {                                       \
+        after_predecessor();                                                                       \
         gate_up_fp8<NT>(x, idx, list, listed, gw, gs, uw, us, h, t, k, I, D, limit);               \
     }                                                                                              \
     extern "C" __global__ void moe_down_fp8_n##NT(const float* h, const long long* idx,            \
                                                   const int* list, const int* listed,              \
                                                   const unsigned char* dw, const float* ds,        \
                                                   float* y, int t, int k, int I, int D) {          \
+        after_predecessor();                                                                       \
         down_fp8<NT>(h, idx, list, listed, dw, ds, y, t, k, I, D);                                 \
     }
 
@@ -284,6 +293,7 @@ EXPERTS_FP8(1) EXPERTS_FP8(2)
 // is outside [0, E) was served by no expert block (its y row is unwritten) and adds 0 * wt.
 extern "C" __global__ void moe_combine(const float* y, const long long* idx, const float* wts, float* out,
                                        int t, int k, int D, int E) {
+    after_predecessor();
     long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (id >= (long long)t * D) return;
     long long r = id / D;

@@ -143,6 +143,7 @@ static __device__ void l2norm_row(const float* __restrict__ x, float* __restrict
 
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w,
                                         float* __restrict__ y, int n, float eps, int rows, int per_warp) {
+    after_predecessor();
     __shared__ float shm[MEMRA_BLOCK];
     if (per_warp) rmsnorm_row<true>(x, w, y, n, eps, rows, shm);
     else rmsnorm_row<false>(x, w, y, n, eps, rows, shm);
@@ -151,6 +152,7 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float
 extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, const float* __restrict__ gate,
                                               const float* __restrict__ w, float* __restrict__ y,
                                               int n, float eps, int rows, int per_warp) {
+    after_predecessor();
     __shared__ float shm[MEMRA_BLOCK];
     if (per_warp) gated_rmsnorm_row<true>(o, gate, w, y, n, eps, rows, shm);
     else gated_rmsnorm_row<false>(o, gate, w, y, n, eps, rows, shm);
@@ -158,6 +160,7 @@ extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, const
 
 extern "C" __global__ void l2norm_rows(const float* x, float* y, int n, float eps, float scale, int rows,
                                        int per_warp) {
+    after_predecessor();
     __shared__ float shm[MEMRA_BLOCK];
     if (per_warp) l2norm_row<true>(x, y, n, eps, scale, rows, shm);
     else l2norm_row<false>(x, y, n, eps, scale, rows, shm);
@@ -166,6 +169,7 @@ extern "C" __global__ void l2norm_rows(const float* x, float* y, int n, float ep
 // (x - mean) / sqrt(var + eps) * w + b, the variance taken about the mean (two passes).
 extern "C" __global__ void layernorm_rows(const float* x, const float* w, const float* b,
                                           float* y, int n, float eps) {
+    after_predecessor();
     __shared__ float shm[MEMRA_BLOCK];
     const float* xr = row_in(x, n);
     float* yr = row_out(y, n);
@@ -194,6 +198,7 @@ static __device__ void row_max_and_expsum(const float* xr, int n, float* shm, fl
 }
 
 extern "C" __global__ void softmax_rows(const float* x, float* y, int n) {
+    after_predecessor();
     __shared__ float shm[MEMRA_BLOCK];
     const float* xr = row_in(x, n);
     float* yr = row_out(y, n);
@@ -203,6 +208,7 @@ extern "C" __global__ void softmax_rows(const float* x, float* y, int n) {
 }
 
 extern "C" __global__ void log_softmax_rows(const float* x, float* y, int n) {
+    after_predecessor();
     __shared__ float shm[MEMRA_BLOCK];
     const float* xr = row_in(x, n);
     float* yr = row_out(y, n);
@@ -228,6 +234,7 @@ static __device__ __forceinline__ bool beats(float b, int ib, float a, int ia) {
 // the softmax probability of the winner, 1 / sum_p sums_p exp(best_p - best), parts in order:
 // a greedy draft's confidence without a vocab-long probability row.
 extern "C" __global__ void argmax_parts(const float* x, float* vals, int* idxs, float* sums, int n, int span) {
+    after_predecessor();
     __shared__ float sv[MEMRA_BLOCK];
     __shared__ int si[MEMRA_BLOCK];
     const float* xr = row_in(x, n);
@@ -251,6 +258,7 @@ extern "C" __global__ void argmax_parts(const float* x, float* vals, int* idxs, 
 
 extern "C" __global__ void argmax_rows(const float* vals, const int* idxs, const float* sums,
                                         long long* out, float* prob, int parts) {
+    after_predecessor();
     __shared__ float sv[MEMRA_BLOCK];
     __shared__ int si[MEMRA_BLOCK];
     float best = __int_as_float(0xff800000);
@@ -304,6 +312,7 @@ static __device__ void top_k_pass(const float* v, const int* ids, int first, int
 }
 
 extern "C" __global__ void top_k_parts(const float* x, float* vals, int* idxs, int n, int span, int k) {
+    after_predecessor();
     __shared__ float sv[MEMRA_BLOCK];
     __shared__ int si[MEMRA_BLOCK];
     const int begin = blockIdx.y * span, count = min(n, begin + span) - begin;
@@ -313,6 +322,7 @@ extern "C" __global__ void top_k_parts(const float* x, float* vals, int* idxs, i
 
 extern "C" __global__ void top_k_rows(const float* vals, const int* idxs, float* out_v, long long* out_i,
                                       int candidates, int k) {
+    after_predecessor();
     __shared__ float sv[MEMRA_BLOCK];
     __shared__ int si[MEMRA_BLOCK];
     const long long row = (long long)blockIdx.x * candidates, out = (long long)blockIdx.x * k;

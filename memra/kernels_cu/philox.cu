@@ -27,6 +27,7 @@ static __device__ __forceinline__ unsigned stream_word(long long i, unsigned k0,
 }
 
 extern "C" __global__ void philox_block(const unsigned* ctr, const unsigned* key, unsigned* out) {
+    after_predecessor();
     unsigned c[4] = {ctr[0], ctr[1], ctr[2], ctr[3]};
     philox10(c, key[0], key[1]);
     for (int j = 0; j < 4; ++j) out[j] = c[j];
@@ -34,6 +35,7 @@ extern "C" __global__ void philox_block(const unsigned* ctr, const unsigned* key
 
 extern "C" __global__ void philox_uniforms(unsigned k0, unsigned k1, unsigned counter, unsigned tag,
                                            long long n, double* out) {
+    after_predecessor();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = ((double)stream_word(i, k0, k1, counter, tag) + 0.5) / 4294967296.0;
 }
@@ -47,6 +49,7 @@ static __device__ __forceinline__ bool race_before(double ob, long long oa, doub
 // its entries t, t + MEMRA_BLOCK, ... then a fixed tree; the span's winner goes to part_*.
 extern "C" __global__ void race_parts(const double* p, long long n, long long span, unsigned k0, unsigned k1,
                                       unsigned counter, unsigned tag, double* part_best, long long* part_arg) {
+    after_predecessor();
     __shared__ double best[MEMRA_BLOCK];
     __shared__ long long arg[MEMRA_BLOCK];
     const long long lo = (long long)blockIdx.x * span, hi = lo + span < n ? lo + span : n;
@@ -67,6 +70,7 @@ extern "C" __global__ void race_parts(const double* p, long long n, long long sp
 // The spans' winners, one block: the race's winner (a selection, so any split gives the same).
 extern "C" __global__ void race_pick(const double* part_best, const long long* part_arg, int parts,
                                      long long* out) {
+    after_predecessor();
     __shared__ double best[MEMRA_BLOCK];
     __shared__ long long arg[MEMRA_BLOCK];
     double b = -1.0;

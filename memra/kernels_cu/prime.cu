@@ -56,6 +56,7 @@ static __device__ __forceinline__ float sum_pieces(const float* p, int d) {
 // out [m, 3, d] = the pieces of x[rows[i]] (rows null: x[i]).
 extern "C" __global__ void bf16_pieces(const float* x, const long long* rows, unsigned short* out,
                                        long long m, int d) {
+    after_predecessor();
     for_column_rows(m, d, [&](long long i, int c) {
         const long long src = rows != nullptr ? rows[i] : i;
         put_pieces(x[src * d + c], out + i * 3 * d + c, d);
@@ -66,6 +67,7 @@ extern "C" __global__ void bf16_pieces(const float* x, const long long* rows, un
 // out [m, 3, I] = the pieces of swiglu_clamped (dense.cu's swiglu_kernel) of their sums.
 extern "C" __global__ void swiglu_pieces(const float* gate, const float* up, unsigned short* out,
                                          long long m, int d, float limit) {
+    after_predecessor();
     for_column_rows(m, d, [&](long long i, int c) {
         const long long at = i * 3 * d + c;
         put_pieces(swiglu_clamped(sum_pieces(gate + at, d), sum_pieces(up + at, d), limit), out + at, d);
@@ -76,6 +78,7 @@ extern "C" __global__ void swiglu_pieces(const float* gate, const float* up, uns
 // s = r * k + j read from down [M, 3, D] (GEMM rows of the hidden pieces) at its sorted row at[s].
 extern "C" __global__ void expert_combine(const float* down, const long long* at, const float* wts,
                                           float* out, int t, int k, int D) {
+    after_predecessor();
     for_column_rows(t, D, [&](long long r, int c) {
         float acc = 0.0f;
         for (int j = 0; j < k; ++j)
@@ -87,6 +90,7 @@ extern "C" __global__ void expert_combine(const float* down, const long long* at
 // out[i * row_stride + s * copy_stride + c] = copy s of x[i, c]'s pieces (put_piece_copies).
 extern "C" __global__ void piece_copies(const float* x, unsigned short* out, long long m, int d, int copies,
                                         int map, long long row_stride, long long copy_stride) {
+    after_predecessor();
     for_column_rows(m, d, [&](long long i, int c) {
         put_piece_copies(x[i * d + c], out + i * row_stride + c, copies, map, copy_stride);
     });
@@ -95,6 +99,7 @@ extern "C" __global__ void piece_copies(const float* x, unsigned short* out, lon
 // grid (rows), block MEMRA_BLOCK: out[r * stride + at] = sum over x[r, :n] of x^2 (one pass
 // over the streams, no squared copy).
 extern "C" __global__ void row_sum_squares(const float* x, float* out, long long n, int stride, int at) {
+    after_predecessor();
     __shared__ float shm[MEMRA_BLOCK];
     const float* row = x + (long long)blockIdx.x * n;
     float acc = 0.0f;
@@ -106,6 +111,7 @@ extern "C" __global__ void row_sum_squares(const float* x, float* out, long long
 // grid-stride over rows * W list entries; keep [rows, ctx] arrives zeroed.
 extern "C" __global__ void selection_mask(const int* positions, unsigned char* keep, int rows, int W,
                                           int ctx) {
+    after_predecessor();
     const long long n = (long long)rows * W;
     for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n;
          e += (long long)gridDim.x * blockDim.x) {
@@ -118,6 +124,7 @@ extern "C" __global__ void selection_mask(const int* positions, unsigned char* k
 // kept in place; out [rows * H, 3, ctx] gets the probabilities' pieces in `map`'s order.
 extern "C" __global__ void masked_softmax_pieces(float* s, const unsigned char* keep, unsigned short* out,
                                                  int H, int ctx, float scale, int map) {
+    after_predecessor();
     __shared__ float shm[MEMRA_BLOCK];
     const unsigned char* kp = keep + (long long)(blockIdx.x / H) * ctx;
     float* row = s + (long long)blockIdx.x * ctx;
@@ -153,6 +160,7 @@ static __device__ __forceinline__ float e4m3_value(unsigned char b) {
 // its bf16 pieces: a prompt's FP8 projections then run as bf16 GEMMs.
 extern "C" __global__ void fp8_pieces(const unsigned char* data, const float* scale, unsigned short* out,
                                       int n_out, int n_in) {
+    after_predecessor();
     const long long n = (long long)n_out * n_in;
     const int scale_cols = (n_in + FP8_BLOCK - 1) / FP8_BLOCK;
     for_column_rows(n_out, n_in, [&](long long o, int i) {

@@ -1,0 +1,85 @@
+"""Programmatic dependent launch on the GPU (backend/cuda/runtime.launch_kernel), which sets it on
+launches captured into graphs.
+
+* The attribute is live in a graph: a successor launched after a predecessor that lets it start
+  early, and that does not wait, reads the predecessor's flag before it is written (red arm:
+  without this, the guard of tests/backend/test_kernel_entry.py would guard nothing).
+* The guard holds: the same successor opening with common.cuh's after_predecessor() reads the
+  written flag.
+* Eager launches, and launches asked to be plain, keep the stream's order without the guard.
+Run on the GPU host: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/backend/test_cuda_dependent_launch.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.gpu import cupy_or_skip
+
+pytestmark = pytest.mark.gpu
+cp = cupy_or_skip()
+
+from memra.backend.cuda.runtime import OPTIONS, kernel_dir, launch_kernel  # noqa: E402
+
+SOURCE = r'''
+#include "common.cuh"
+// Lets its successor launch at once, then spins about `spin` cycles before it writes the flag.
+extern "C" __global__ void slow_writer(float* flag, long long spin) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const long long t0 = clock64();
+    while (clock64() - t0 < spin) {}
+    flag[0] = 1.0f;
+}
+extern "C" __global__ void reads_at_once(const float* flag, float* out) { out[0] = flag[0]; }
+extern "C" __global__ void reads_after_wait(const float* flag, float* out) {
+    after_predecessor();
+    out[0] = flag[0];
+}
+'''
+SPIN = np.int64(20_000_000)  # ~10 ms at the H200's clock: the successor is resident long before
+
+
+@pytest.fixture(scope="module")
+def module():
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    mod = cp.RawModule(code=SOURCE, options=OPTIONS + ("-I" + str(kernel_dir()),))
+    mod.compile()
+    # each function's first launch loads it (CUDA's lazy loading), which waits for the device;
+    # done here, so the launches under test are the decode step's kind
+    flag, out = cp.zeros(1, cp.float32), cp.zeros(1, cp.float32)
+    launch_kernel(mod.get_function("slow_writer"), (1,), (1,), (flag, np.int64(0)))
+    for reader in ("reads_at_once", "reads_after_wait"):
+        launch_kernel(mod.get_function(reader), (1,), (1,), (flag, out))
+    cp.cuda.Device().synchronize()
+    return mod
+
+
+def flag_read_by(module, reader: str, captured: bool, dependent: bool = True) -> float:
+    """The flag as `reader` saw it, launched after slow_writer on a stream or in a graph."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        flag, out = cp.zeros(1, cp.float32), cp.full(1, -1.0, cp.float32)
+        stream.synchronize()
+        if captured:
+            stream.begin_capture()
+        launch_kernel(module.get_function("slow_writer"), (1,), (1,), (flag, SPIN), dependent=dependent)
+        launch_kernel(module.get_function(reader), (1,), (1,), (flag, out), dependent=dependent)
+        if captured:
+            stream.end_capture().launch(stream)
+    stream.synchronize()
+    return float(out.get()[0])
+
+
+def test_red_arm_a_captured_successor_that_does_not_wait_runs_beside_its_predecessor(module):
+    assert flag_read_by(module, "reads_at_once", captured=True) == 0.0
+
+
+def test_a_captured_successor_that_waits_sees_its_predecessors_writes(module):
+    assert flag_read_by(module, "reads_after_wait", captured=True) == 1.0
+
+
+@pytest.mark.parametrize("captured, dependent", [(False, True), (True, False)], ids=["eager", "plain"])
+def test_eager_and_plain_launches_keep_the_stream_order(module, captured, dependent):
+    assert flag_read_by(module, "reads_at_once", captured, dependent) == 1.0

@@ -64,7 +64,7 @@ def test_each_refusal_is_one_line_and_exit_2(ckpt, flags, message):
 
         if cuda_available():
             pytest.skip("a CUDA GPU is usable here")
-        message = "backend='cuda' needs CuPy and a CUDA GPU"
+        message = "backend='cuda' needs CuPy, cuda-bindings and a CUDA GPU"
     proc = run_on(ckpt, *flags, "-n", 2)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr

@@ -1,12 +1,13 @@
-"""Programmatic dependent launch on the GPU (backend/cuda/runtime.launch_kernel), which sets it on
-launches captured into graphs.
+"""Programmatic dependent launch on the GPU (backend/cuda/runtime.launch_kernel), which launch()
+asks for inside runtime.dependent_launches(): while graphs.CapturedWalk captures a walk.
 
 * The attribute is live in a graph: a successor launched after a predecessor that lets it start
   early, and that does not wait, reads the predecessor's flag before it is written (red arm:
   without this, the guard of tests/backend/test_kernel_entry.py would guard nothing).
 * The guard holds: the same successor opening with common.cuh's after_predecessor() reads the
   written flag.
-* Eager launches, and launches asked to be plain, keep the stream's order without the guard.
+* Plain launches, eager or captured, keep the stream's order without the guard.
+* launch() asks for it inside dependent_launches() only, and a captured walk is inside.
 Run on the GPU host: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/backend/test_cuda_dependent_launch.py
 """
 
@@ -20,6 +21,7 @@ from tests.gpu import cupy_or_skip
 pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
+from memra.backend.cuda import graphs, runtime  # noqa: E402
 from memra.backend.cuda.runtime import OPTIONS, kernel_dir, launch_kernel  # noqa: E402
 
 SOURCE = r'''
@@ -51,7 +53,7 @@ def module():
     flag, out = cp.zeros(1, cp.float32), cp.zeros(1, cp.float32)
     launch_kernel(mod.get_function("slow_writer"), (1,), (1,), (flag, np.int64(0)))
     for reader in ("reads_at_once", "reads_after_wait"):
-        launch_kernel(mod.get_function(reader), (1,), (1,), (flag, out))
+        launch_kernel(mod.get_function(reader), (1,), (1,), (flag, out))  # plain: the default
     cp.cuda.Device().synchronize()
     return mod
 
@@ -80,6 +82,34 @@ def test_a_captured_successor_that_waits_sees_its_predecessors_writes(module):
     assert flag_read_by(module, "reads_after_wait", captured=True) == 1.0
 
 
-@pytest.mark.parametrize("captured, dependent", [(False, True), (True, False)], ids=["eager", "plain"])
-def test_eager_and_plain_launches_keep_the_stream_order(module, captured, dependent):
-    assert flag_read_by(module, "reads_at_once", captured, dependent) == 1.0
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+def test_plain_launches_keep_the_stream_order(module, captured):
+    assert flag_read_by(module, "reads_at_once", captured, dependent=False) == 1.0
+
+
+def launches_asked_dependent(monkeypatch, run) -> list[bool]:
+    """What each launch() inside run() asked launch_kernel for, the launches themselves skipped."""
+    asked = []
+    monkeypatch.setattr(runtime, "kernel", lambda family, name: None)
+    monkeypatch.setattr(runtime, "launch_kernel", lambda k, grid, block, args, shared_mem, dependent:
+                        asked.append(dependent))
+    run()
+    return asked
+
+
+def test_launch_asks_for_dependent_launch_only_inside_dependent_launches(monkeypatch):
+    def run():
+        runtime.launch("norm", "softmax_rows", (1,), (1,), ())
+        with runtime.dependent_launches():
+            runtime.launch("norm", "softmax_rows", (1,), (1,), ())
+        runtime.launch("norm", "softmax_rows", (1,), (1,), ())
+
+    assert launches_asked_dependent(monkeypatch, run) == [False, True, False]
+
+
+def test_a_captured_walk_launches_dependent(monkeypatch):
+    def walk(tokens, position):
+        runtime.launch("norm", "softmax_rows", (1,), (1,), ())
+        return (tokens + position,)  # the graph holds one node, so the capture is not empty
+
+    assert launches_asked_dependent(monkeypatch, lambda: graphs.CapturedWalk(walk, [5], 3, ())) == [True]

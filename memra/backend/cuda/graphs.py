@@ -13,8 +13,9 @@ The graphs are per cache (and per native-MTP draft session, whose steps also tak
 rows as a device input), because they hold that cache's state planes by address. The first walk
 of a shape runs eagerly, which compiles and loads every kernel it needs. The second is captured
 on a private stream, with a private memory pool, so the graph's intermediates are never handed
-to other work, and then launched. Later walks of the shape replay it. A replay's outputs are the
-graph's own buffers, overwritten by the next replay of the same shape.
+to other work, and with programmatic dependent launch (runtime.dependent_launches); then it is
+launched. Later walks of the shape replay it. A replay's outputs are the graph's own buffers,
+overwritten by the next replay of the same shape.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import cupy as cp
 
 from memra.backend.cuda.dense import graph_counters, split_k_counters
+from memra.backend.cuda.runtime import dependent_launches
 
 
 def _load(inputs, tokens, pos0: int) -> None:
@@ -51,7 +53,8 @@ class CapturedWalk:
         self.arrays = tuple(a.copy() for a in arrays)  # device inputs, copied in before a replay
         self.counters = split_k_counters()  # the graph's projection groups count split-K tiles here
         stream = cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
-        with cp.cuda.using_allocator(self.pool.malloc), stream, graph_counters(self.counters):
+        with (cp.cuda.using_allocator(self.pool.malloc), stream, graph_counters(self.counters),
+              dependent_launches()):
             stream.begin_capture()
             try:
                 self.outputs = walk(self.inputs[1:], self.inputs[:1], *self.arrays)

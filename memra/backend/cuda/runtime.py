@@ -6,14 +6,16 @@ flags (C++17, no FMA contraction, never fast-math; CuPy itself adds -ftz=true) a
 constant of memra/kernels_cu/constants.py as a -D define.
 Wrappers pass every scalar as a numpy scalar of the kernel's type: nothing checks it on launch.
 
-Launches go through the driver's cuLaunchKernelEx (NVIDIA's cuda.bindings; CuPy's RawKernel takes
-no launch attributes) with programmatic dependent launch on sm_90+: a decode step is hundreds of
-short launches, and each may now start while its predecessor drains. Every kernel opens with
-`after_predecessor()` (common.cuh), which keeps the stream's order of reads and writes.
+Launches captured into a walk's graph go through the driver's cuLaunchKernelEx (NVIDIA's
+cuda.bindings; CuPy's RawKernel takes no launch attributes) with programmatic dependent launch on
+sm_90+: a decode step replays hundreds of short kernels, and each may start while its predecessor
+drains. Every kernel opens with `after_predecessor()` (common.cuh), which keeps the stream's order
+of reads and writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 from importlib import resources
@@ -50,24 +52,39 @@ def kernel(family: str, name: str):
 
 
 def launch(family: str, name: str, grid, block, args, shared_mem: int = 0) -> None:
-    launch_kernel(kernel(family, name), grid, block, args, shared_mem)
+    launch_kernel(kernel(family, name), grid, block, args, shared_mem, dependent=_dependent)
+
+
+_dependent = False  # inside dependent_launches()
+
+
+@contextlib.contextmanager
+def dependent_launches():
+    """Inside this block launch() asks for programmatic dependent launch: graphs.CapturedWalk
+    captures its walk in it, so every replay overlaps each kernel's start with its predecessor's
+    end. Outside, launches stay CuPy's own: the driver call through cuda.bindings marshals its
+    arguments in Python, about 30 us more host time per launch, which an eager walk would pay at
+    every launch and a captured one pays once."""
+    global _dependent
+    before, _dependent = _dependent, True
+    try:
+        yield
+    finally:
+        _dependent = before
 
 
 def launch_kernel(k: "cp.RawKernel", grid, block, args, shared_mem: int = 0,
-                  dependent: bool = True) -> None:
-    """Launches k on the current stream. `dependent` asks for programmatic dependent launch, which
-    the device takes from compute capability 9.0 on, and which is set where it pays: on launches
-    captured into a graph. The driver call costs the host about 30 us more per launch than CuPy's
-    (its arguments are marshalled in Python), paid once at capture but every time in an eager walk."""
-    stream = cp.cuda.get_current_stream()
-    if not (dependent and stream.is_capturing() and _takes_dependent_launch(cp.cuda.runtime.getDevice())):
+                  dependent: bool = False) -> None:
+    """Launches k on the current stream, with programmatic dependent launch when `dependent` and
+    the device takes it (compute capability 9.0 on)."""
+    if not (dependent and _takes_dependent_launch(cp.cuda.runtime.getDevice())):
         k(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
         return
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = _dim3(grid)
     config.blockDimX, config.blockDimY, config.blockDimZ = _dim3(block)
     config.sharedMemBytes = shared_mem
-    config.hStream = driver.CUstream(stream.ptr)
+    config.hStream = driver.CUstream(cp.cuda.get_current_stream().ptr)
     config.attrs = [_DEPENDENT_LAUNCH]
     config.numAttrs = 1
     # k.kernel is the function loaded on the current device (CuPy loads a module per device)

@@ -7,6 +7,9 @@ the peers in peers.py); without torch, or without kernels recorded, the profile 
 
     prof = kernel_profile(lambda: greedy_steps(model, cache, token, 16), 16, list(launches))
     prof["families"]["dense.linear_bf16_split_n1"]["share"]   # of the summed kernel time
+
+A kernel's time is its own: the part of its span past the kernels that started before it (a
+dependent launch's wait for its predecessor is not its work; _own_us).
 """
 
 from __future__ import annotations
@@ -19,14 +22,22 @@ def _family(name: str, owner: dict[str, str]) -> str:
     return f"{owner[base]}.{base}" if base in owner else name
 
 
+def _own_us(spans: list[tuple[float, float]]) -> list[float]:
+    """Each (start, end) span's own microseconds: the part past every span that started before
+    it. A kernel of a captured walk starts early (programmatic dependent launch) and waits at its
+    entry until its predecessor ends, so only the time after that end is its work. Spans that do
+    not overlap keep end - start; the own times add up to the busy time."""
+    own, reach = [0.0] * len(spans), float("-inf")
+    for i in sorted(range(len(spans)), key=lambda i: spans[i]):
+        start, end = spans[i]
+        own[i] = max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return own
+
+
 def _busy_us(spans: list[tuple[float, float]]) -> float:
     """Microseconds covered by at least one of the (start, end) spans."""
-    busy, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reach:
-            busy += end - max(start, reach)
-            reach = end
-    return busy
+    return sum(_own_us(spans))
 
 
 def kernel_profile(run, steps: int, launched: list[str]) -> dict | None:
@@ -44,12 +55,11 @@ def kernel_profile(run, steps: int, launched: list[str]) -> dict | None:
     if not kernels:
         return None
     owner = dict(reversed(k.split(".", 1)) for k in launched)
-    per, spans = {}, []
-    for e in kernels:
-        start, end = e.time_range.start, e.time_range.end
-        spans.append((start, end))
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    per = {}
+    for e, us in zip(kernels, _own_us(spans)):
         fam = per.setdefault(_family(e.name, owner), {"us": 0.0, "calls": 0})
-        fam["us"] += end - start
+        fam["us"] += us
         fam["calls"] += 1
     total = sum(f["us"] for f in per.values())
     span = max(e for _, e in spans) - min(s for s, _ in spans)

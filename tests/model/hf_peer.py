@@ -139,6 +139,10 @@ class HFPeer:
             )
         finally:
             hf_logging.set_verbosity(level)
+        # An FP8 checkpoint: without a GPU transformers dequantizes each e4m3 matrix (to float32
+        # here: e4m3 * scale_inv) and keeps the checkpoint's BF16 tensors in bf16. Widening those
+        # is exact, so the model is the dequantized float32 one. A float32 checkpoint: no-op.
+        model = model.float()
         model.eval()
         missing = sorted(info.get("missing_keys", []))
         assert not missing, f"HF left parameters at their init (missing from {path}): {missing}"

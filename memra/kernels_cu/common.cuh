@@ -8,9 +8,9 @@
 // header generated from the same table.
 #include "constants.cuh"
 
-// Every memra kernel opens with this call. runtime.launch launches each grid with programmatic
-// dependent launch (sm_90+): the grid may start while its predecessor in the stream still runs,
-// so its launch and block setup hide under the predecessor's tail. The wait holds every read and
+// Every memra kernel opens with this call. A walk's captured launches carry programmatic dependent
+// launch (runtime.dependent_launches, sm_90+): the grid may start while its predecessor in the
+// stream still runs, so its launch and block setup hide under the predecessor's tail. The wait holds every read and
 // write until the predecessor has completed and its writes are visible (the stream's order, as
 // without the attribute); only then does this grid let its own successor launch, so at most two
 // grids are in flight. Both instructions are no-ops on a launch without the attribute.

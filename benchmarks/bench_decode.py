@@ -15,7 +15,8 @@ and the host's share of a step (its wall time minus the time blocked waiting for
 token: the greedy step's argmax, taken on the device, as PlainSession takes it).
 Where the cache's walk runner captures graphs (cuda), the decode runs twice on one cache: eager
 launches, then graph replay (the default; the headline numbers), and the host share of a
-replayed step is the launch overhead left.
+replayed step is the launch overhead left; `replay_gpu_ms` is then the captured step's GPU time
+alone (back-to-back replays between CUDA events).
 Prints a card on stderr and ONE JSON line on stdout.
 """
 
@@ -44,6 +45,7 @@ COUNTED_STEPS = 4    # eager decode steps run again with launches counted (count
 PROFILED_STEPS = 16  # steps run again under the kernel profiler (graph replay where captured)
 PROFILE_LINES = 16   # kernel families on the card (the JSON has them all)
 PREFILL_REPS = 3     # timed primes per prompt length, median kept: one prime's wall time moved 13% between runs
+REPLAY_SETS, REPLAY_REPS = 5, 40  # replay_gpu_ms: sets of back-to-back replays of the captured step
 
 
 def prefill(model, lengths: list[int], seed: int) -> dict:
@@ -128,6 +130,7 @@ def decode(model, args, roof: float | None) -> dict:
     cache.walks.enabled = modes[-1] == "graph"
     profile = None if not launches else kernel_profile(
         lambda: greedy_steps(model, cache, token, PROFILED_STEPS), PROFILED_STEPS, list(launches))
+    replay_gpu = replay_gpu_ms(cache)  # last: its replays rewrite the step's state rows
     # t = 1: the k experts a row picks are distinct, so k per MoE layer is exact
     weights = weight_bytes(model, [model.cfg.num_experts_per_tok] * moe_layer_count(model), rows=1)
     head = runs[modes[-1]]
@@ -141,8 +144,31 @@ def decode(model, args, roof: float | None) -> dict:
         "launches_per_step": None if launches is None else sum(launches.values()) / COUNTED_STEPS,
         "launches_by_kernel": None if launches is None else {
             k: v / COUNTED_STEPS for k, v in sorted(launches.items())},
-        "eager": runs["eager"], "graph_replay": runs.get("graph"), "kernel_profile": profile,
+        "eager": runs["eager"], "graph_replay": runs.get("graph"), "replay_gpu_ms": replay_gpu,
+        "kernel_profile": profile,
     }
+
+
+def replay_gpu_ms(cache) -> float | None:
+    """GPU milliseconds of one replay of the captured decode step, the median of REPLAY_REPS
+    back-to-back replays between CUDA events: the step's device time with no host work and no
+    profiler (CUPTI lengthens the kernels it records). None where no decode step was captured."""
+    captured = getattr(cache.walks, "graphs", {}).get((1, False, ()))
+    if captured is None:
+        return None
+    import cupy as cp
+
+    captured.graph.launch()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(REPLAY_SETS):
+        start.record()
+        for _ in range(REPLAY_REPS):
+            captured.graph.launch()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / REPLAY_REPS)
+    return float(np.median(times))
 
 
 def card(record: dict) -> list[str]:
@@ -163,6 +189,8 @@ def card(record: dict) -> list[str]:
         if run is not None:
             lines.append(f"  {mode:<12} {run['ms_per_step']:8.3f} ms/step  host {run['host_ms_per_step']:7.3f} ms/step "
                          f"({100 * run['host_share']:5.1f}% of a step)")
+    if d.get("replay_gpu_ms") is not None:
+        lines.append(f"  replay GPU   {d['replay_gpu_ms']:8.3f} ms/step  (the captured step alone, no host work)")
     if launches is not None:
         lines.append(f"  {launches:.0f} memra launches per eager step")
     lines += profile_lines(d.get("kernel_profile"), "a decode step")

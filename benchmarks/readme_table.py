@@ -95,11 +95,14 @@ def _mb(nbytes: int | None) -> str:
 def decode(path: str, r: dict) -> list[str]:
     d = r["decode"]
     frac, eager = d["bandwidth_fraction"], d.get("eager") or d
-    out = [_head(path, r), "", f"| preset | decode ms/step ({d.get('mode', 'eager')}) | eager ms/step | tokens/s | "
+    replay = d.get("replay_gpu_ms")  # absent from older records; None without captured graphs
+    out = [_head(path, r), "", f"| preset | decode ms/step ({d.get('mode', 'eager')}) | "
+           + ("GPU ms/step (replay alone) | " if replay is not None else "") + "eager ms/step | tokens/s | "
            "weights/step | of copy bw | host share | "
            + " | ".join(f"prefill {p['tokens']} tok/s" for p in r["prefill"].values()) + " |",
-           "|---" * (7 + len(r["prefill"])) + "|"]
-    out.append(f"| {_preset(r)} | {d['ms_per_step']:.2f} | {eager['ms_per_step']:.2f} | {d['tokens_per_s']:.1f} | "
+           "|---" * (7 + (replay is not None) + len(r["prefill"])) + "|"]
+    out.append(f"| {_preset(r)} | {d['ms_per_step']:.2f} | " + (f"{replay:.3f} | " if replay is not None else "")
+               + f"{eager['ms_per_step']:.2f} | {d['tokens_per_s']:.1f} | "
                f"{d['weight_bytes_per_step'] / 1e9:.2f} GB | {100 * frac:.0f}% | {100 * d['host_share']:.0f}% | "
                + " | ".join(f"{p['tokens_per_s']:.0f}" for p in r["prefill"].values()) + " |")
     out += _profile(d.get("kernel_profile"), "a replayed step")

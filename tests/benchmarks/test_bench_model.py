@@ -120,6 +120,7 @@ def test_bench_decode_prints_one_json_line_of_positive_numbers(capsys):
     _positive(d, "ms_per_step", "tokens_per_s", "weight_bytes_per_step", "state_bytes_per_step", "host_ms_per_step")
     assert d["weight_bytes"]["routed_experts"] > 0 and d["state_bytes"]["mla_latent"] > 0
     assert d["graph_replay"] is None and d["mode"] == "eager" and d["eager"]["ms_per_step"] == d["ms_per_step"]
+    assert d["replay_gpu_ms"] is None  # numpy captures no graph
     assert d["launches_per_step"] is None and d["bandwidth_fraction"] is None  # numpy: no kernels, no roof
 
 
@@ -156,3 +157,16 @@ def test_bench_decode_records_the_split_it_ran(capsys):
     assert record["config"]["stage_layers"] == "0-3,4-5" and record["config"]["stage_devices"] == [None, None]
     assert "stage_layers" not in _record(capsys, bench_decode.main, [*COMMON, "--prompt-lens", "8"])["config"]
     _positive(record["decode"], "ms_per_step", "weight_bytes_per_step")
+
+
+def test_the_readme_table_shows_the_replay_gpu_time_where_a_record_has_it(capsys, tmp_path):
+    from benchmarks import readme_table
+
+    record = _record(capsys, bench_decode.main, [*COMMON, "--prompt-lens", "8"])
+    record["decode"]["bandwidth_fraction"] = 0.5  # the README renders device records, which have a roof
+    plain = readme_table.decode("r.json", record)
+    record["decode"]["replay_gpu_ms"] = 4.0523
+    timed = readme_table.decode("r.json", record)
+    assert "replay alone" not in plain[2] and "replay alone" in timed[2]
+    assert "| 4.052 |" in timed[4]
+    assert all(row.count("|") == timed[2].count("|") for row in timed[2:5])  # header, rule, row agree

@@ -1,6 +1,6 @@
-"""Every memra kernel opens with `after_predecessor()` (common.cuh). runtime.launch launches every
-grid with programmatic dependent launch, so a kernel that read or wrote memory before that wait
-could run beside its predecessor and see, or clobber, half-written data. CPU-only: it reads the
+"""Every memra kernel opens with `after_predecessor()` (common.cuh). A walk's captured launches
+carry programmatic dependent launch (runtime.dependent_launches), so a kernel that read or wrote
+memory before that wait could run beside its predecessor and see, or clobber, half-written data. CPU-only: it reads the
 sources as text; tests/backend/test_cuda_dependent_launch.py shows on the GPU that the wait is
 needed and that it holds."""
 
@@ -29,8 +29,8 @@ def kernels_without_guard(text: str) -> list[str]:
 def test_every_kernel_waits_for_its_predecessor_first():
     found = {name: len(re.findall(r"\b__global__\b", code_of(text))) for name, text in SOURCES.items()}
     assert sum(found.values()) >= 60, found  # every kernel is checked (66 when written)
-    assert {name: kernels_without_guard(text) for name, text in SOURCES.items()
-            if kernels_without_guard(text)} == {}
+    missing = {name: kernels_without_guard(text) for name, text in SOURCES.items()}
+    assert {name: kernels for name, kernels in missing.items() if kernels} == {}
 
 
 def test_red_arm_a_kernel_that_reads_before_the_wait_is_caught():

@@ -25,7 +25,7 @@ from memra.checkpoint import write_fixture  # noqa: E402
 from memra.config import ModelConfig, preset  # noqa: E402
 from tests.model.hf_peer import HFPeer, _file_tensors, _read, indexer_margins  # noqa: E402
 
-REL_TOL = 1e-4     # the bf16 peer gate's bound; observed 2e-6 to 6e-6
+REL_TOL = 1e-4     # tests/model/test_hf_peer.py's bound; observed 2e-6 to 6e-6
 MARGIN_REL = 1e-4  # required gap between the G-th and (G+1)-th best pool score
 # fixture seed (dtype fp8) with no boundary tie; mini's exact 0.0 ties are aligned as in the bf16 gate
 CASES = {"mini": dict(seed=0, align_ties=True), "small": dict(seed=2, align_ties=False)}

@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_decode.py`: `be
 
 from benchmarks.common import (  # noqa: E402
     WARMUP_STEPS, bandwidth_fraction, card_head, counted_launches, emit, greedy_steps, int_list, model_args,
-    model_config, model_from_args, prime_context, random_tokens, record_header, roof_gbs, timed_call,
+    model_config, model_from_args, prime_context, random_tokens, record_header, roof_gbs, time_ms, timed_call,
 )
 from benchmarks.kernel_profile import kernel_profile  # noqa: E402
 from benchmarks.walk_bytes import moe_layer_count, state_bytes, weight_bytes  # noqa: E402
@@ -150,25 +150,19 @@ def decode(model, args, roof: float | None) -> dict:
 
 
 def replay_gpu_ms(cache) -> float | None:
-    """GPU milliseconds of one replay of the captured decode step, the median of REPLAY_REPS
-    back-to-back replays between CUDA events: the step's device time with no host work and no
-    profiler (CUPTI lengthens the kernels it records). None where no decode step was captured."""
+    """GPU milliseconds of one replay of the captured decode step, the median over REPLAY_SETS
+    sets of REPLAY_REPS back-to-back replays between CUDA events: the step's device time with no
+    host work and no profiler (CUPTI lengthens the kernels it records). None where no decode step
+    was captured."""
     captured = getattr(cache.walks, "graphs", {}).get((1, False, ()))
     if captured is None:
         return None
-    import cupy as cp
 
-    captured.graph.launch()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(REPLAY_SETS):
-        start.record()
+    def replays():
         for _ in range(REPLAY_REPS):
             captured.graph.launch()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / REPLAY_REPS)
-    return float(np.median(times))
+
+    return time_ms(replays, reps=REPLAY_SETS, warmup=1) / REPLAY_REPS
 
 
 def card(record: dict) -> list[str]:

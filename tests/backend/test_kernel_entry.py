@@ -5,12 +5,9 @@ sources as text; tests/backend/test_cuda_dependent_launch.py shows on the GPU th
 needed and that it holds."""
 
 import re
-from importlib import resources
 
-from tests.backend.test_kernel_constants import code_of
+from tests.backend.test_kernel_constants import SOURCES, code_of
 
-KERNELS = resources.files("memra.kernels_cu")
-SOURCES = {p.name: p.read_text() for p in KERNELS.iterdir() if p.name.endswith((".cu", ".cuh"))}
 GUARD = "after_predecessor();"
 
 

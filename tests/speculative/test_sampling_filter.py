@@ -44,7 +44,6 @@ KAT = [  # Random123 kat_vectors, philox4x32 10: (ctr, key) -> out
 ]
 
 
-
 @pytest.mark.parametrize("ctr, key, want", KAT, ids=["zeros", "ones", "pi"])
 def test_philox_matches_the_random123_known_answers(ctr, key, want):
     assert tuple(int(w) for w in philox4x32_10(ctr, key)) == want

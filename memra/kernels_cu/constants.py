@@ -52,9 +52,9 @@ MIX_SPLIT = 64      # list entries per mla_mix partial: a split size, never a co
 MIX_STEP = 16       # list entries per mla_mix shared-memory step; a split is a multiple
 
 # moe.cu
-MOE_MAX_EXPERTS = 3072   # moe_expert_list marks experts in shared memory (route_select: 48 KB)
-MAX_TOPK = 32            # moe_route_select keeps the chosen experts in a local array
-MAX_GROUPS = 64          # ... and the kept groups in a 64-bit mask, two per lane
+MOE_MAX_EXPERTS = 3072   # moe_expert_list marks experts in shared memory (route_select: 12 KB of scores)
+MAX_TOPK = 32            # moe_route_select places the chosen experts in shared memory
+MAX_GROUPS = 64          # ... and the kept groups in a 64-bit mask
 GATE_UP_UNITS = 16       # intermediate units per bf16 gate|up tile (16 gate rows, 16 up rows)
 DOWN_OUTS = 64           # outputs per bf16 expert down tile of 8 rows: 64 rows of I in-features, the
                          # weight bytes a gate|up tile reads (32 rows of D = 2 I)

@@ -1,7 +1,8 @@
 // mHC (manifold-constrained hyper-connections) kernels: site weights, collapse, combine, mean.
 // Exact class: every output's reduction order depends only on n and D (never on the row count
 // t or the grid size), so row r of a t-row launch is bit-identical to the same row launched alone.
-// Semantics: NumpyBackend.hc_weights / hc_collapse / hc_combine / stream_mean.
+// Semantics: NumpyBackend.hc_weights / hc_collapse / hc_combine / stream_mean (hc_collapse_site:
+// hc_weights' pre, then hc_collapse).
 #include "common.cuh"
 
 // Fixed xor-butterfly over the 32 lanes. Each step adds a commutative pair, so every lane ends
@@ -71,6 +72,24 @@ extern "C" __global__ void hc_partials(const float* __restrict__ streams, const 
     }
 }
 
+// Slot j of a row's partials p [chunks, outs + 1], its chunks added in order.
+static __device__ __forceinline__ float hc_slot_sum(const float* p, int j, int chunks, int outs) {
+    float sum = p[j];
+    for (int k = 1; k < chunks; ++k) sum += p[(long long)k * (outs + 1) + j];
+    return sum;
+}
+
+// 1 / rms of the row's nD flattened elements, from their sum of squares.
+static __device__ __forceinline__ float hc_inv_rms(float sum_squares, int n, int d, float rms_eps) {
+    return 1.0f / sqrtf(sum_squares / (float)(n * d) + rms_eps);
+}
+
+// pre weight i of a row, from its normalised dot m_i (hc_weights and hc_collapse_site alike).
+static __device__ __forceinline__ float hc_pre(float m_i, float inv, const float* scale, const float* base,
+                                               int i, float hc_eps) {
+    return sigmoidf_stable(m_i * inv * scale[0] + base[i]) + hc_eps;
+}
+
 // grid (t), block HC_MAX_N^2: thread (a, b) = (tid / n, tid % n). base [(2+n)n]; scale [3].
 // Outputs pre [t, n], post [t, n], comb [t, n, n], in the reference's operation order.
 extern "C" __global__ void hc_weights(const float* __restrict__ part, const float* __restrict__ base,
@@ -82,16 +101,12 @@ extern "C" __global__ void hc_weights(const float* __restrict__ part, const floa
     __shared__ float c[HC_MAX_N * HC_MAX_N];
     const int r = blockIdx.x, outs = (2 + n) * n, a = threadIdx.x / n, b = threadIdx.x % n;
     const float* p = part + (long long)r * chunks * (outs + 1);
-    for (int j = threadIdx.x; j <= outs; j += blockDim.x) {
-        float sum = p[j];
-        for (int k = 1; k < chunks; ++k) sum += p[(long long)k * (outs + 1) + j];
-        m[j] = sum;
-    }
+    for (int j = threadIdx.x; j <= outs; j += blockDim.x) m[j] = hc_slot_sum(p, j, chunks, outs);
     __syncthreads();
-    const float inv = 1.0f / sqrtf(m[outs] / (float)(n * d) + rms_eps);
+    const float inv = hc_inv_rms(m[outs], n, d, rms_eps);
     if (threadIdx.x < n) {
         const int i = threadIdx.x;
-        pre[r * n + i] = sigmoidf_stable(m[i] * inv * scale[0] + base[i]) + hc_eps;
+        pre[r * n + i] = hc_pre(m[i], inv, scale, base, i, hc_eps);
         post[r * n + i] = 2.0f * sigmoidf_stable(m[n + i] * inv * scale[1] + base[n + i]);
     }
     // c = row softmax of the logits + eps: each thread of row a walks the row in order
@@ -126,6 +141,33 @@ extern "C" __global__ void hc_collapse(const float* __restrict__ streams, const 
         for (int i = 1; i < n; ++i) acc = acc + pre[r * n + i] * x[(long long)i * d];
         out[r * d + k] = acc;
     });
+}
+
+// hc_collapse with the pre weights made from hc_weights' partials part [t, chunks, outs + 1]
+// (the same bits as hc_weights' pre): the site's collapse need not wait for its Sinkhorn mix,
+// which runs beside the block (HyperOps.hc_site). Grid runtime.columns_grid(t, D).
+extern "C" __global__ void hc_collapse_site(const float* __restrict__ streams, const float* __restrict__ part,
+                                            const float* __restrict__ base, const float* __restrict__ scale,
+                                            float* __restrict__ out, int t, int n, int d, int chunks,
+                                            float rms_eps, float hc_eps) {
+    after_predecessor();
+    __shared__ float pre[HC_MAX_N];
+    const int k = blockIdx.x * blockDim.x + threadIdx.x, outs = (2 + n) * n;
+    for (long long r = blockIdx.y; r < t; r += gridDim.y) {  // uniform across the block
+        const float* p = part + r * chunks * (outs + 1);
+        if (threadIdx.x < n) {
+            const float inv = hc_inv_rms(hc_slot_sum(p, outs, chunks, outs), n, d, rms_eps);
+            pre[threadIdx.x] = hc_pre(hc_slot_sum(p, threadIdx.x, chunks, outs), inv, scale, base, threadIdx.x, hc_eps);
+        }
+        __syncthreads();
+        if (k < d) {
+            const float* x = streams + r * n * d + k;
+            float acc = pre[0] * x[0];
+            for (int i = 1; i < n; ++i) acc = acc + pre[i] * x[(long long)i * d];
+            out[r * d + k] = acc;
+        }
+        __syncthreads();  // every thread has read pre before the next row's
+    }
 }
 
 // X'[r, b, k] = post[r, b] f[r, k] + sum_a C[r, a, b] X[r, a, k] (C transposed), a ascending.

@@ -10,7 +10,8 @@
 #include "moe_passes.cuh"  // the tensor-core expert tiles (bf16 and FP8) the kernels below run
 
 static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
-static_assert(MAX_GROUPS == 64, "moe_route_select keeps the groups in a 64-bit mask, two per lane");
+static_assert(MAX_GROUPS == 64, "moe_route_select keeps the kept groups in a 64-bit mask");
+static_assert(MAX_GROUPS <= MEMRA_BLOCK && MAX_TOPK <= MEMRA_BLOCK, "moe_route_select: a thread per group and per chosen slot");
 static_assert(GATE_UP_UNITS == 16, "a gate|up tile is one 16-row MMA block of gate rows, one of up rows");
 
 // Lane 0 returns the dot of w[0..n) and x[0..n): lane l sums c = l, l+32, ... then a fixed tree.
@@ -64,102 +65,79 @@ static __device__ float group_score(const float* sb, int g, int gsize) {
     return m1 + m2;
 }
 
-// The warp's best (v, i) under ranks_before. It is a strict total order, so the winner is the
-// same whatever the shape of the reduction (and the same as a serial scan).
-static __device__ __forceinline__ void warp_best(float& v, int& i) {
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (ranks_before(ov, oi, v, i)) {
-            v = ov;
-            i = oi;
-        }
-    }
+// How many of the n candidates (v[j], j) that pass `kept` rank before (v0, i0), counting no
+// further than `cap` (the caller asks only whether fewer than cap do).
+template <typename Kept>
+static __device__ __forceinline__ int count_before(const float* v, int n, float v0, int i0, int cap, Kept kept) {
+    int before = 0;
+    for (int j = 0; j < n && before < cap; ++j)
+        if (kept(j) && ranks_before(v[j], j, v0, i0)) ++before;
+    return before;
 }
 
-// One warp per row: sigmoid scores, best groups, best experts inside them (each chosen one at
-// a time as the best candidate ranking after the previous winner; lanes scan experts lane,
-// lane + 32, ... and the warp reduces), ascending experts, weights from the unbiased scores.
-// k <= MAX_TOPK and n_group <= MAX_GROUPS (wrapper checks). Dynamic shared memory: E floats per warp.
+// One block per row (grid t, block MEMRA_BLOCK): sigmoid scores biased, the topk_group best
+// groups, then the k best experts in them, ascending, with weights from the unbiased scores.
+// ranks_before is a strict total order, so "fewer than k kept candidates rank before it" picks
+// the same k as choosing the best one at a time, with no chain of k warp reductions: each
+// thread counts for its own experts. The chosen take their places in ascending order from a
+// block prefix count, and their weights' sum runs in that order. k <= MAX_TOPK, n_group <=
+// MAX_GROUPS (wrapper checks). Dynamic shared memory: E floats.
 extern "C" __global__ void moe_route_select(const float* logits, const float* bias,
                                             long long* experts, float* weights, int t, int E,
                                             int n_group, int topk_group, int k, int renormalize,
                                             float scaling, int shared) {
     after_predecessor();
-    extern __shared__ float biased[];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int r = blockIdx.x * (blockDim.x / 32) + warp;
-    if (r >= t) return;  // whole warps only: no block barrier follows
+    extern __shared__ float sb[];
+    __shared__ float group_v[MAX_GROUPS], chosen_score[MAX_TOPK];
+    __shared__ int chosen_expert[MAX_TOPK], warp_chosen[WARPS_PER_BLOCK];
+    __shared__ unsigned long long kept_groups;
+    const int r = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32, gsize = E / n_group;
     const float* lg = logits + (long long)r * E;
-    float* sb = biased + warp * E;
-    for (int e = lane; e < E; e += 32) sb[e] = sigmoidf_stable(lg[e]) + bias[e];
-    __syncwarp();
-    const int gsize = E / n_group;
-    float gv[MAX_GROUPS / 32];  // this lane's groups: lane, lane + 32, ...
-    for (int h = 0; h < MAX_GROUPS / 32; ++h) {
-        const int g = lane + 32 * h;
-        gv[h] = g < n_group ? group_score(sb, g, gsize) : 0.0f;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) sb[e] = sigmoidf_stable(lg[e]) + bias[e];
+    if (threadIdx.x < MAX_TOPK) {  // read only if a NaN score breaks the order: no stray index
+        chosen_expert[threadIdx.x] = 0;
+        chosen_score[threadIdx.x] = 0.0f;
     }
-    unsigned long long keep = 0ull;
-    float prev_v = 0.0f;
-    int prev_i = -1;
-    for (int b = 0; b < topk_group; ++b) {
-        float best_v = 0.0f;
-        int best_i = -1;
-        for (int h = 0; h < MAX_GROUPS / 32; ++h) {
-            const int g = lane + 32 * h;
-            if (g >= n_group) continue;
-            bool after = prev_i < 0 || ranks_before(prev_v, prev_i, gv[h], g);
-            if (after && ranks_before(gv[h], g, best_v, best_i)) {
-                best_v = gv[h];
-                best_i = g;
-            }
+    if (threadIdx.x == 0) kept_groups = topk_group < n_group ? 0ull : ~0ull;  // all groups: no ranking
+    __syncthreads();
+    if (topk_group < n_group) {
+        if (threadIdx.x < n_group) group_v[threadIdx.x] = group_score(sb, threadIdx.x, gsize);
+        __syncthreads();
+        const auto every = [](int) { return true; };
+        if (threadIdx.x < n_group &&
+            count_before(group_v, n_group, group_v[threadIdx.x], threadIdx.x, topk_group, every) < topk_group)
+            atomicOr(&kept_groups, 1ull << threadIdx.x);
+        __syncthreads();
+    }
+    const unsigned long long keep = kept_groups;
+    const auto kept = [&](int e) { return ((keep >> (e / gsize)) & 1ull) != 0ull; };
+    int placed = 0;  // chosen experts below this pass's
+    for (int e0 = 0; e0 < E; e0 += blockDim.x) {  // uniform across the block
+        const int e = e0 + threadIdx.x;
+        const bool chosen = e < E && kept(e) && count_before(sb, E, sb[e], e, k, kept) < k;
+        const unsigned ballot = __ballot_sync(0xffffffffu, chosen);
+        if (lane == 0) warp_chosen[warp] = __popc(ballot);
+        __syncthreads();
+        int at = placed + __popc(ballot & ((1u << lane) - 1u));
+        for (int w = 0; w < warp; ++w) at += warp_chosen[w];
+        if (chosen && at < MAX_TOPK) {
+            chosen_expert[at] = e;
+            chosen_score[at] = sigmoidf_stable(lg[e]);  // the unbiased score
         }
-        warp_best(best_v, best_i);
-        keep |= 1ull << best_i;
-        prev_v = best_v;
-        prev_i = best_i;
+        for (int w = 0; w < WARPS_PER_BLOCK; ++w) placed += warp_chosen[w];
+        __syncthreads();
     }
-    int chosen[MAX_TOPK];
-    prev_i = -1;
-    for (int b = 0; b < k; ++b) {
-        float best_v = 0.0f;
-        int best_i = -1;
-        for (int e = lane; e < E; e += 32) {
-            if (!((keep >> (e / gsize)) & 1ull)) continue;
-            const float v = sb[e];
-            bool after = prev_i < 0 || ranks_before(prev_v, prev_i, v, e);
-            if (after && ranks_before(v, e, best_v, best_i)) {
-                best_v = v;
-                best_i = e;
-            }
-        }
-        warp_best(best_v, best_i);
-        chosen[b] = best_i;
-        prev_v = best_v;
-        prev_i = best_i;
-    }
-    if (lane != 0) return;
-    for (int b = 1; b < k; ++b) {  // insertion sort: experts come out ascending
-        int v = chosen[b], c = b - 1;
-        while (c >= 0 && chosen[c] > v) {
-            chosen[c + 1] = chosen[c];
-            --c;
-        }
-        chosen[c + 1] = v;
-    }
-    float score[MAX_TOPK];  // the unbiased scores of the chosen experts
-    for (int b = 0; b < k; ++b) score[b] = sigmoidf_stable(lg[chosen[b]]);
-    float sum = 0.0f;
-    for (int b = 0; b < k; ++b) sum += score[b];
     const long long slots = k + (shared >= 0), at = r * slots;
-    for (int b = 0; b < k; ++b) {
-        float wt = score[b];
+    if (threadIdx.x < k) {
+        const int b = threadIdx.x;
+        float sum = 0.0f;
+        for (int c = 0; c < k; ++c) sum += chosen_score[c];
+        float wt = chosen_score[b];
         if (renormalize) wt = wt / (sum + 1e-20f);
-        experts[at + b] = chosen[b];
+        experts[at + b] = chosen_expert[b];
         weights[at + b] = wt * scaling;
     }
-    if (shared >= 0) {
+    if (shared >= 0 && threadIdx.x == 0) {
         experts[at + k] = shared;
         weights[at + k] = 1.0f;
     }

@@ -21,12 +21,8 @@ class HcSite:
 
     def __call__(self, streams, block):
         """Run `block` (rows [t, D] -> [t, D]) through this site; return the new streams."""
-        be = self.be
-        pre, post, comb = be.hc_weights(
-            streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps, self.iters
-        )
-        f = block(be.hc_collapse(streams, pre))
-        return be.hc_combine(streams, f, post, comb)
+        return self.be.hc_site(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps,
+                               self.iters, block)
 
 
 def expand(x, n: int):

@@ -92,6 +92,9 @@ CASES = [
     # the router's D past one batch of loads (2048 per warp), with a partial tail; bench's shape
     case("moe_route_wide_tail", *_route(2100, 16, 2, 1, 3), ts=(1, 7, 15)),
     case("moe_route_bench", *_route(4096, 64, 1, 1, 8), ts=(1, 7, 15)),
+    # a thread per expert: E = 256 in one pass (8 groups, 4 kept), E = 512 over two passes
+    case("moe_route_256_grouped", *_route(128, 256, 8, 4, 8), ts=(1, 7)),
+    case("moe_route_two_passes", *_route(64, 512, 8, 3, 8), ts=(1, 7)),
     # the bench layer with its shared expert stacked as expert 64: every row's slot 8, weight 1
     case("moe_route_bench_shared", *_route(4096, 64, 1, 1, 8, shared=64), ts=(1, 7, 15)),
     case("moe_experts_mini", *_experts(4, 64, 128, 2)),

@@ -1,12 +1,15 @@
 """The mHC family of the CUDA backend (kernels_cu/hyper.cu): the hyper-connection site.
 
-Mixin of CudaBackend mirroring NumpyBackend's hc_weights / hc_collapse / hc_combine /
+Mixin of CudaBackend mirroring NumpyBackend's hc_weights / hc_collapse / hc_combine / hc_site /
 stream_mean on cupy arrays. Exact class: each output's sums run in a fixed order per row.
 
     pre, post, comb = HyperOps().hc_weights(streams, fn, base, scale, rms_eps, hc_eps, iters)
+    new_streams = HyperOps().hc_site(streams, fn, base, scale, rms_eps, hc_eps, iters, block)
 """
 
 from __future__ import annotations
+
+import functools
 
 import cupy as cp
 
@@ -19,28 +22,42 @@ class HyperOps:
     def hc_weights(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int):
         """(pre [t, n], post [t, n], comb [t, n, n]): fixed chunks of the flattened streams
         spread the fn matvec over blocks, then one small block per row adds them up in order."""
-        streams = device_input(streams, "streams")
-        t, n, d = streams.shape
-        assert 1 <= n <= HC_MAX_N, f"hc_weights: n={n} streams, at most {HC_MAX_N}"
-        assert iters >= 1, f"hc_weights: iters={iters}, at least 1"
-        fn, base, scale = device_input(fn, "fn"), device_input(base, "base"), device_input(scale, "scale")
-        assert fn.shape == ((2 + n) * n, n * d), f"hc_weights: fn {fn.shape}, n={n}, D={d}"
-        assert base.shape == ((2 + n) * n,) and scale.shape == (3,), (base.shape, scale.shape)
+        streams, fn, base, scale, (t, n, d) = _site_inputs(streams, fn, base, scale, iters)
         pre, post = cp.empty((t, n), cp.float32), cp.empty((t, n), cp.float32)
         comb = cp.empty((t, n, n), cp.float32)
         if t:
-            if is_prime(t):  # a prompt: the matvec as one float32 GEMM, one chunk (prime.py)
-                part = prime_hc_partials(streams, fn)
-            else:
-                part = cp.empty((t, (n * d + HC_CHUNK - 1) // HC_CHUNK, (2 + n) * n + 1), cp.float32)
-                slots = ((2 + n) * n + 1 + HC_SLOTS - 1) // HC_SLOTS
-                launch("hyper", "hc_partials", (part.shape[1], t, slots), (BLOCK,),
-                       (streams, fn, part, i32(n), i32(d)))
-            chunks = part.shape[1]
-            launch("hyper", "hc_weights", (t,), (HC_MAX_N * HC_MAX_N,),
-                   (part, base, scale, pre, post, comb, i32(n), i32(d), i32(chunks), f32(rms_eps),
-                    f32(hc_eps), i32(iters)))
+            _mix(_partials(streams, fn), base, scale, pre, post, comb, d, rms_eps, hc_eps, iters)
         return pre, post, comb
+
+    def hc_site(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int, block):
+        """hc_combine(streams, block(hc_collapse(streams, pre)), post, comb) with (pre, post,
+        comb) = hc_weights(...), the same bits. The Sinkhorn mix (hc_weights' kernel, a chain of
+        2 iters dependent normalisations in one block: ~10 us) runs on a side stream beside
+        `block`, whose collapse makes pre from the same partials; hc_combine waits for it. In a
+        captured walk the fork and the join are graph edges."""
+        streams, fn, base, scale, (t, n, d) = _site_inputs(streams, fn, base, scale, iters)
+        if not t:
+            pre, post, comb = self.hc_weights(streams, fn, base, scale, rms_eps, hc_eps, iters)
+            return self.hc_combine(streams, block(self.hc_collapse(streams, pre)), post, comb)
+        part = _partials(streams, fn)  # read by the side stream: alive until the join below
+        pre, post = cp.empty((t, n), cp.float32), cp.empty((t, n), cp.float32)
+        comb = cp.empty((t, n, n), cp.float32)
+        main, side = cp.cuda.get_current_stream(), _side_stream(cp.cuda.Device().id)
+        forked, mixed = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+        forked.record(main)
+        side.wait_event(forked)
+        with side:
+            _mix(part, base, scale, pre, post, comb, d, rms_eps, hc_eps, iters)
+        mixed.record(side)
+        try:
+            collapsed = cp.empty((t, d), cp.float32)
+            launch("hyper", "hc_collapse_site", columns_grid(t, d), (BLOCK,),
+                   (streams, part, base, scale, collapsed, i32(t), i32(n), i32(d), i32(part.shape[1]),
+                    f32(rms_eps), f32(hc_eps)))
+            f = block(collapsed)
+        finally:  # joined even when block raises: a capture must not end with the side stream forked
+            _join(main, mixed)
+        return self.hc_combine(streams, f, post, comb)
 
     def hc_collapse(self, streams, pre):
         """sum_i pre_i X_i in stream order: [t, n, D] -> [t, D]."""
@@ -73,3 +90,45 @@ class HyperOps:
         if t:
             launch("hyper", "stream_mean", columns_grid(t, d), (BLOCK,), (streams, out, i32(t), i32(n), i32(d)))
         return out
+
+
+def _site_inputs(streams, fn, base, scale, iters: int):
+    streams = device_input(streams, "streams")
+    t, n, d = streams.shape
+    assert 1 <= n <= HC_MAX_N, f"hc_weights: n={n} streams, at most {HC_MAX_N}"
+    assert iters >= 1, f"hc_weights: iters={iters}, at least 1"
+    fn, base, scale = device_input(fn, "fn"), device_input(base, "base"), device_input(scale, "scale")
+    assert fn.shape == ((2 + n) * n, n * d), f"hc_weights: fn {fn.shape}, n={n}, D={d}"
+    assert base.shape == ((2 + n) * n,) and scale.shape == (3,), (base.shape, scale.shape)
+    return streams, fn, base, scale, (t, n, d)
+
+
+def _partials(streams, fn):
+    """hc_weights' partials [t, chunks, (2+n)n + 1]: each chunk's dots with fn and its sum of squares."""
+    t, n, d = streams.shape
+    if is_prime(t):  # a prompt: the matvec as one float32 GEMM, one chunk (prime.py)
+        return prime_hc_partials(streams, fn)
+    part = cp.empty((t, (n * d + HC_CHUNK - 1) // HC_CHUNK, (2 + n) * n + 1), cp.float32)
+    slots = ((2 + n) * n + 1 + HC_SLOTS - 1) // HC_SLOTS
+    launch("hyper", "hc_partials", (part.shape[1], t, slots), (BLOCK,), (streams, fn, part, i32(n), i32(d)))
+    return part
+
+
+def _mix(part, base, scale, pre, post, comb, d: int, rms_eps: float, hc_eps: float, iters: int) -> None:
+    """pre, post and the Sinkhorn mix comb from the partials, a block per row."""
+    t, n = pre.shape
+    launch("hyper", "hc_weights", (t,), (HC_MAX_N * HC_MAX_N,),
+           (part, base, scale, pre, post, comb, i32(n), i32(d), i32(part.shape[1]), f32(rms_eps),
+            f32(hc_eps), i32(iters)))
+
+
+def _join(main, mixed) -> None:
+    """main waits for the side stream's mix (hc_combine reads comb and post next)."""
+    main.wait_event(mixed)
+
+
+@functools.cache
+def _side_stream(device: int) -> "cp.cuda.Stream":
+    """The stream hc_site's Sinkhorn mixes run on, one per device."""
+    with cp.cuda.Device(device):
+        return cp.cuda.Stream(non_blocking=True)

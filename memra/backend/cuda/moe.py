@@ -18,8 +18,6 @@ from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch
 from memra.kernels_cu.constants import (BF16_OUTS, DOWN_OUTS, GATE_UP_UNITS, MAX_GROUPS, MAX_TOPK,
                                         MOE_MAX_EXPERTS, WARPS_PER_BLOCK)
 
-ROUTE_ROWS = 4  # moe_route_select: rows per block, a warp each; 4 x MOE_MAX_EXPERTS scores = 48 KB
-
 
 class MoeOps:
     def moe_route(self, x, w_gate, bias, n_group: int, topk_group: int, k: int,
@@ -49,10 +47,10 @@ class MoeOps:
             logits = cp.empty((t, e), cp.float32)
             launch("moe", "moe_router_logits", (e, t), (32,),
                    (x, w_gate, logits, i32(t), i32(e), i32(d)))
-        launch("moe", "moe_route_select", (blocks_of(t, ROUTE_ROWS),), (32 * ROUTE_ROWS,),
+        launch("moe", "moe_route_select", (t,), (BLOCK,),
                (logits, bias, experts, weights, i32(t), i32(e), i32(n_group),
                 i32(topk_group), i32(k), i32(bool(renormalize)), f32(scaling), i32(shared)),
-               shared_mem=4 * e * ROUTE_ROWS)
+               shared_mem=4 * e)
         return experts, weights
 
     def moe_experts(self, x, idx, wts, gate_w, up_w, down_w, limit: float):

@@ -154,6 +154,9 @@ extern "C" __global__ void hc_collapse_site(const float* __restrict__ streams, c
     __shared__ float pre[HC_MAX_N];
     const int k = blockIdx.x * blockDim.x + threadIdx.x, outs = (2 + n) * n;
     for (long long r = blockIdx.y; r < t; r += gridDim.y) {  // uniform across the block
+        float xs[HC_MAX_N];  // loaded first: their latency overlaps the pre weights' loads
+#pragma unroll
+        for (int i = 0; i < HC_MAX_N; ++i) xs[i] = k < d && i < n ? streams[(r * n + i) * d + k] : 0.0f;
         const float* p = part + r * chunks * (outs + 1);
         if (threadIdx.x < n) {
             const float inv = hc_inv_rms(hc_slot_sum(p, outs, chunks, outs), n, d, rms_eps);
@@ -161,9 +164,10 @@ extern "C" __global__ void hc_collapse_site(const float* __restrict__ streams, c
         }
         __syncthreads();
         if (k < d) {
-            const float* x = streams + r * n * d + k;
-            float acc = pre[0] * x[0];
-            for (int i = 1; i < n; ++i) acc = acc + pre[i] * x[(long long)i * d];
+            float acc = pre[0] * xs[0];
+#pragma unroll
+            for (int i = 1; i < HC_MAX_N; ++i)
+                if (i < n) acc = acc + pre[i] * xs[i];
             out[r * d + k] = acc;
         }
         __syncthreads();  // every thread has read pre before the next row's

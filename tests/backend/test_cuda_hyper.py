@@ -1,5 +1,6 @@
 """The mHC family on the GPU (HyperOps, backend/cuda/hyper.py -> kernels_cu/hyper.cu): the
-hyper-connection site's weights (fn matvec, softmax, Sinkhorn), collapse, combine, stream mean.
+hyper-connection site's weights (fn matvec, softmax, Sinkhorn), collapse, combine, the whole
+site (hc_site), stream mean.
 
 The table (preset-like sizes: mini, small, odd) runs through the shared gates of
 tests/backend/harness.py. hc_collapse / hc_combine / stream_mean repeat the reference's
@@ -27,6 +28,9 @@ from tests.backend.inputs import normal, uniform  # noqa: E402
 # orders (block tree over fixed chunks) against numpy's.
 TOL = {
     "hc_weights": (2e-5, 2e-6),   # 512-long matvec, softmax, 20 Sinkhorn rounds
+    # hc_weights' error carried through the combine: terms up to ~5 (normal streams, f = x / 2 + 1)
+    # that may cancel, so the absolute bound is 2e-5 of such a term
+    "hc_site": (2e-5, 1e-4),
     "hc_collapse": (0.0, 0.0),    # same ops, same order, no transcendental: bit-equal
     "hc_combine": (0.0, 0.0),
     "stream_mean": (0.0, 0.0),
@@ -41,6 +45,15 @@ def _hc_weights(n, d, iters):
 
     def call(be, r, s):
         return be.hc_weights(r["streams"], s["fn"], s["base"], s["scale"], 1e-5, 1e-6, iters)
+    return make, call
+
+
+def _hc_site(n, d, iters):
+    make, _ = _hc_weights(n, d, iters)
+
+    def call(be, r, s):
+        return be.hc_site(r["streams"], s["fn"], s["base"], s["scale"], 1e-5, 1e-6, iters,
+                          lambda x: x * np.float32(0.5) + np.float32(1.0))
     return make, call
 
 
@@ -74,6 +87,11 @@ CASES = [
     # prime class: the matvec as one float32 GEMM (backend/cuda/prime.py)
     case("hc_weights_prime", *_hc_weights(4, 128, 20), gates=frozenset({NUMPY}), ts=(16, 40)),
     case("hc_weights_prime_odd", *_hc_weights(3, 67, 3), gates=frozenset({NUMPY}), ts=(17,)),
+    # the whole site, its mix on a side stream (bit-equal to the ops in sequence: test_cuda_hc_site.py)
+    case("hc_site_mini", *_hc_site(4, 128, 20)),
+    case("hc_site_odd", *_hc_site(3, 67, 3)),
+    case("hc_site_bench", *_hc_site(4, 4096, 20), ts=(1, 7, 15)),
+    case("hc_site_prime", *_hc_site(4, 128, 20), gates=frozenset({NUMPY}), ts=(16, 40)),
     case("hc_collapse_mini", *_hc_collapse(4, 128)),
     case("hc_collapse_small", *_hc_collapse(4, 64)),
     case("hc_collapse_odd", *_hc_collapse(3, 67)),

@@ -11,7 +11,8 @@
 
 static_assert(MMA_THREADS == MEMRA_BLOCK, "the host launches every tensor-core kernel with BLOCK threads");
 static_assert(MAX_GROUPS == 64, "moe_route_select keeps the kept groups in a 64-bit mask");
-static_assert(MAX_GROUPS <= MEMRA_BLOCK && MAX_TOPK <= MEMRA_BLOCK, "moe_route_select: a thread per group and per chosen slot");
+static_assert(MAX_GROUPS <= MEMRA_BLOCK && MAX_TOPK <= MEMRA_BLOCK,
+              "moe_route_select: a thread per group and per chosen slot");
 static_assert(GATE_UP_UNITS == 16, "a gate|up tile is one 16-row MMA block of gate rows, one of up rows");
 
 // Lane 0 returns the dot of w[0..n) and x[0..n): lane l sums c = l, l+32, ... then a fixed tree.

@@ -64,6 +64,9 @@
 #ifndef ATT_POS
 #define ATT_POS 16
 #endif
+#ifndef ATT_HEADS
+#define ATT_HEADS 16
+#endif
 #ifndef MIX_CHANNELS
 #define MIX_CHANNELS 128
 #endif

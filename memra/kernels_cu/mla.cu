@@ -120,17 +120,18 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
     }
 }
 
-// Absorbed MLA attention in four launches; every block serves all heads of its row, so a
-// latent row is read once per block of positions (scores) or of channels (mix), never per head:
+// Absorbed MLA attention in four launches; a block serves many heads of its row, so a latent
+// row is read once per block of positions and ATT_HEADS heads (scores) or of channels (mix, all
+// heads), never per head:
 //   mla_scores:      s[r, h, j] = scale * (q[r, h] . c_{pos[r, j]}), the dot over R in order;
 //   mla_softmax:     p[r, h, :] = softmax over the row's valid entries (fixed-tree max and sum);
 //   mla_mix:         part[r, s, h, k] = sum of p[r, h, j] c_{pos[r, j]}[k] over the split's
 //                    `split` entries j (the wrapper passes MIX_SPLIT), ascending;
 //   mla_mix_combine: o[r, h, k] = sum of part[r, s, h, k] over the splits s, ascending.
 // Each value's order depends on R, W and the row's own list only, never on t, the tile or the grid.
-#define ATT_HEADS 64  // heads per pass of a block: 16 thread rows of 4 heads
 #define ATT_KT 64     // in-channels staged per mla_scores step (64: 8 steps of R = 512, 7% faster than 32)
 static_assert(MEMRA_BLOCK == 256, "mla_scores and mla_mix tile 256 threads");
+static_assert(ATT_HEADS * ATT_POS == MEMRA_BLOCK, "mla_scores: a thread per (head, position column)");
 static_assert(MIX_CHANNELS == 128 && MIX_SPLIT % MIX_STEP == 0, "mla_mix: 4 channels per lane");
 
 // One mla_scores step's loads: q of heads h0.. and the tile's latent rows, channels k0..k0+ATT_KT.
@@ -154,63 +155,59 @@ struct ScoreLoads {
     }
 };
 
-// grid (ceil(W / (ATT_POS * PT)), t), block MEMRA_BLOCK. Thread (hq = tid / 16, pl = tid % 16)
-// holds heads 4 hq .. 4 hq + 3 of the pass and positions pl + 16 i (i < PT) of the tile. PT
-// only tiles: every score is the same serial dot, so PT may follow t.
+// grid (ceil(W / (ATT_POS * PT)), t, ceil(H / ATT_HEADS)), block MEMRA_BLOCK. Thread
+// (h = tid / ATT_POS, pl = tid % ATT_POS) holds head h0 + h of the block's heads and positions
+// pl + ATT_POS i (i < PT) of the tile. PT and the head split only tile: every score is the same
+// serial dot, so they may follow t. A block takes ATT_HEADS of the row's heads (a quarter of
+// 64), so the blocks of the selected positions spread over the SMs instead of each running every
+// head in turn; a tile with no selected position (all -1) returns at once.
 template <int PT>
 __device__ void mla_scores_tile(const float* q, const float* latent, const int* positions,
                                 float* scores, int H, int R, int W, float scale) {
     constexpr int SP = ATT_POS * PT;
-    __shared__ __align__(16) float qs[ATT_KT][ATT_HEADS + 4];  // +4: float4 rows, fewer clashes
-    __shared__ float cs[ATT_KT][SP + 1];                       // +1: the transposing stores spread
+    __shared__ float qs[ATT_KT][ATT_HEADS + 1];  // +1: the transposing stores spread
+    __shared__ float cs[ATT_KT][SP + 1];
     __shared__ int ps[SP];
-    const int r = blockIdx.y, j0 = blockIdx.x * SP, hq = threadIdx.x / 16, pl = threadIdx.x % 16;
+    const int r = blockIdx.y, j0 = blockIdx.x * SP, h0 = blockIdx.z * ATT_HEADS;
+    const int h = threadIdx.x / ATT_POS, pl = threadIdx.x % ATT_POS;
     const int* pos = positions + (long long)r * W;
     const float* qr = q + (long long)r * H * R;
-    if (threadIdx.x < SP) ps[threadIdx.x] = j0 + (int)threadIdx.x < W ? pos[j0 + threadIdx.x] : -1;
-    __syncthreads();
+    bool any = false;
+    if (threadIdx.x < SP) {
+        ps[threadIdx.x] = j0 + (int)threadIdx.x < W ? pos[j0 + threadIdx.x] : -1;
+        any = ps[threadIdx.x] >= 0;
+    }
+    if (!__syncthreads_or(any)) return;  // uniform: the whole block sees the same answer
     ScoreLoads<PT> next;
-    for (int h0 = 0; h0 < H; h0 += ATT_HEADS) {
-        float acc[4][PT];
+    float acc[PT];
 #pragma unroll
-        for (int a = 0; a < 4; ++a)
+    for (int i = 0; i < PT; ++i) acc[i] = 0.0f;
+    next.load(qr, latent, ps, H, R, h0, 0);
+    for (int k0 = 0; k0 < R; k0 += ATT_KT) {
+        __syncthreads();  // the previous step is done with the tiles
 #pragma unroll
-            for (int i = 0; i < PT; ++i) acc[a][i] = 0.0f;
-        next.load(qr, latent, ps, H, R, h0, 0);
-        for (int k0 = 0; k0 < R; k0 += ATT_KT) {
-            __syncthreads();  // the previous step is done with the tiles
-#pragma unroll
-            for (int i = 0; i < ATT_HEADS * ATT_KT / MEMRA_BLOCK; ++i) {
-                const int e = threadIdx.x + i * MEMRA_BLOCK;
-                qs[e % ATT_KT][e / ATT_KT] = next.q[i];
-            }
-#pragma unroll
-            for (int i = 0; i < SP * ATT_KT / MEMRA_BLOCK; ++i) {
-                const int e = threadIdx.x + i * MEMRA_BLOCK;
-                cs[e % ATT_KT][e / ATT_KT] = next.c[i];
-            }
-            __syncthreads();
-            if (k0 + ATT_KT < R) next.load(qr, latent, ps, H, R, h0, k0 + ATT_KT);  // in flight meanwhile
-            const int kn = min(ATT_KT, R - k0);
-            for (int k = 0; k < kn; ++k) {
-                const float4 qv = *reinterpret_cast<const float4*>(&qs[k][4 * hq]);
-#pragma unroll
-                for (int i = 0; i < PT; ++i) {
-                    const float c = cs[k][pl + 16 * i];
-                    acc[0][i] = acc[0][i] + qv.x * c;
-                    acc[1][i] = acc[1][i] + qv.y * c;
-                    acc[2][i] = acc[2][i] + qv.z * c;
-                    acc[3][i] = acc[3][i] + qv.w * c;
-                }
-            }
+        for (int i = 0; i < ATT_HEADS * ATT_KT / MEMRA_BLOCK; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK;
+            qs[e % ATT_KT][e / ATT_KT] = next.q[i];
         }
 #pragma unroll
-        for (int a = 0; a < 4; ++a)
+        for (int i = 0; i < SP * ATT_KT / MEMRA_BLOCK; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK;
+            cs[e % ATT_KT][e / ATT_KT] = next.c[i];
+        }
+        __syncthreads();
+        if (k0 + ATT_KT < R) next.load(qr, latent, ps, H, R, h0, k0 + ATT_KT);  // in flight meanwhile
+        const int kn = min(ATT_KT, R - k0);
+        for (int k = 0; k < kn; ++k) {
+            const float qv = qs[k][h];
 #pragma unroll
-            for (int i = 0; i < PT; ++i) {
-                const int h = h0 + 4 * hq + a, jj = pl + 16 * i;
-                if (h < H && ps[jj] >= 0) scores[((long long)r * H + h) * W + j0 + jj] = acc[a][i] * scale;
-            }
+            for (int i = 0; i < PT; ++i) acc[i] = acc[i] + qv * cs[k][pl + ATT_POS * i];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < PT; ++i) {
+        const int jj = pl + ATT_POS * i;
+        if (h0 + h < H && ps[jj] >= 0) scores[((long long)r * H + h0 + h) * W + j0 + jj] = acc[i] * scale;
     }
 }
 

@@ -14,7 +14,7 @@ import cupy as cp
 
 from memra.backend.cuda.prime import is_prime, prime_attend, prime_pool_scores
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, position
-from memra.kernels_cu.constants import ATT_POS, MIX_CHANNELS, MIX_SPLIT, MIX_STEP
+from memra.kernels_cu.constants import ATT_HEADS, ATT_POS, MIX_CHANNELS, MIX_SPLIT, MIX_STEP
 
 # From this many rows mla_scores tiles two positions per thread (half the q re-reads); fewer rows
 # take one, for blocks enough to fill the GPU. The tile changes no score (each is one serial dot).
@@ -99,7 +99,8 @@ class MlaOps:
         out = cp.empty((t, h, rank), cp.float32)
         probs = cp.empty((t * h, width), cp.float32)
         per_thread = 2 if t >= SCORES_P2_ROWS else 1
-        launch("mla", f"mla_scores_p{per_thread}", (blocks_of(width, ATT_POS * per_thread), t), (BLOCK,),
+        launch("mla", f"mla_scores_p{per_thread}",
+               (blocks_of(width, ATT_POS * per_thread), t, blocks_of(h, ATT_HEADS)), (BLOCK,),
                (q_lat, latent, positions, probs, i32(h), i32(rank), i32(width), f32(scale)))
         launch("mla", "mla_softmax", (t * h,), (BLOCK,), (probs, positions, i32(h), i32(width)))
         split = self._mix_split

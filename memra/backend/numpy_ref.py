@@ -5,7 +5,8 @@ with the same code, on arrays whose shapes depend only on row r, as it would for
 alone; so row r of a t-row call is bit-identical to the t=1 call (BLAS picks its kernels by
 shape, which is why rows are never batched into one gemm here). The CUDA backend implements
 the same methods with the same signatures. Activations are float32; weights arrive float32.
-The KDA ops live in numpy_kda.py (a mixin, as the CUDA backend's families are).
+The KDA ops live in numpy_kda.py and the mHC site's in numpy_hyper.py (mixins, as the CUDA
+backend's families are).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from memra.safetensors_io import bf16_to_f32
 from memra.backend.fp8 import Fp8Block, NumpyFp8Matrix
 from memra.backend.numpy_draft import NumpyDraftOps
+from memra.backend.numpy_hyper import NumpyHyperOps
 from memra.backend.numpy_kda import NumpyKdaOps
 from memra.backend.philox import TAG_DRAW, uniforms
 from memra.backend.ranking import largest
@@ -48,7 +50,7 @@ def _rmsnorm_row(x: np.ndarray, eps: float) -> np.ndarray:
     return (x * (F32(1) / np.sqrt(np.mean(x * x, dtype=F32) + F32(eps)))).astype(F32)
 
 
-class NumpyBackend(NumpyKdaOps, NumpyDraftOps, NumpyFilterOps):
+class NumpyBackend(NumpyHyperOps, NumpyKdaOps, NumpyDraftOps, NumpyFilterOps):
     """Reference implementation of the backend interface (runs everywhere, used by CI)."""
 
     name = "numpy"  # a label for records and summaries; callers branch on the capabilities below
@@ -231,60 +233,6 @@ class NumpyBackend(NumpyKdaOps, NumpyDraftOps, NumpyFilterOps):
     def pick(self, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """x [..., n], idx [...] (ints in 0..n-1) -> x[..., idx]: each row's entry at its index."""
         return np.take_along_axis(x, np.asarray(idx, dtype=np.int64)[..., None], axis=-1)[..., 0]
-
-    # ---- mHC ----------------------------------------------------------------------------------
-    def hc_weights(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int):
-        """mHC site weights per row: (pre [t, n], post [t, n], comb [t, n, n]).
-
-        streams [t, n, D]; m = fn @ rmsnorm(vec X); comb is Sinkhorn-normalised, starting
-        from a row softmax and ending with a column normalisation.
-        """
-        t, n, _ = streams.shape
-        pre, post = np.empty((t, n), F32), np.empty((t, n), F32)
-        c = np.empty((t, n, n), F32)
-        eps = F32(hc_eps)
-        for r in range(t):
-            m = fn @ _rmsnorm_row(streams[r].reshape(-1), rms_eps)
-            pre[r] = _sigmoid(m[:n] * scale[0] + base[:n]) + eps
-            post[r] = F32(2) * _sigmoid(m[n:2 * n] * scale[1] + base[n:2 * n])
-            c[r] = _softmax(m[2 * n:].reshape(n, n) * scale[2] + base[2 * n:].reshape(n, n)) + eps
-        # every row's Sinkhorn at once: a sum over a row's columns (axis 1) or its rows (axis 2) is
-        # the same adds in the same order as that row alone, and there are 2 iters numpy calls, not 2 t iters
-        c = c / (c.sum(axis=1, keepdims=True) + eps)
-        for _ in range(iters - 1):
-            c = c / (c.sum(axis=2, keepdims=True) + eps)
-            c = c / (c.sum(axis=1, keepdims=True) + eps)
-        return pre, post, c
-
-    def hc_site(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int, block):
-        """One whole site: X' = post (x) f + C^T X with f = block(sum_i pre_i X_i) ([t, D] rows
-        -> [t, D]). A backend may run the mix C beside `block` (CUDA: a side stream)."""
-        pre, post, comb = self.hc_weights(streams, fn, base, scale, rms_eps, hc_eps, iters)
-        return self.hc_combine(streams, block(self.hc_collapse(streams, pre)), post, comb)
-
-    def hc_collapse(self, streams: np.ndarray, pre: np.ndarray) -> np.ndarray:
-        """sum_i pre_i X_i, accumulated in stream order: [t, n, D] -> [t, D]."""
-        out = pre[:, 0, None] * streams[:, 0]
-        for i in range(1, streams.shape[1]):
-            out = out + pre[:, i, None] * streams[:, i]
-        return out.astype(F32)
-
-    def hc_combine(self, streams, f, post, comb) -> np.ndarray:
-        """X'_b = post_b f + sum_a C[a, b] X_a  (note the transpose: C^T X)."""
-        n = streams.shape[1]
-        out = np.empty_like(streams)
-        for b in range(n):
-            acc = comb[:, 0, b, None] * streams[:, 0]
-            for a in range(1, n):
-                acc = acc + comb[:, a, b, None] * streams[:, a]
-            out[:, b] = post[:, b, None] * f + acc
-        return out
-
-    def stream_mean(self, streams: np.ndarray) -> np.ndarray:
-        out = streams[:, 0].copy()
-        for i in range(1, streams.shape[1]):
-            out = out + streams[:, i]
-        return (out / F32(streams.shape[1])).astype(F32)
 
     # ---- DSA kpool indexer and MLA ------------------------------------------------------------
     def kpool_compress(self, keys: np.ndarray, gates: np.ndarray, ape: np.ndarray) -> np.ndarray:

@@ -23,8 +23,7 @@ class HyperOps:
         """(pre [t, n], post [t, n], comb [t, n, n]): fixed chunks of the flattened streams
         spread the fn matvec over blocks, then one small block per row adds them up in order."""
         streams, fn, base, scale, (t, n, d) = _site_inputs(streams, fn, base, scale, iters)
-        pre, post = cp.empty((t, n), cp.float32), cp.empty((t, n), cp.float32)
-        comb = cp.empty((t, n, n), cp.float32)
+        pre, post, comb = _site_weights(t, n)
         if t:
             _mix(_partials(streams, fn), base, scale, pre, post, comb, d, rms_eps, hc_eps, iters)
         return pre, post, comb
@@ -40,8 +39,7 @@ class HyperOps:
             pre, post, comb = self.hc_weights(streams, fn, base, scale, rms_eps, hc_eps, iters)
             return self.hc_combine(streams, block(self.hc_collapse(streams, pre)), post, comb)
         part = _partials(streams, fn)  # read by the side stream: alive until the join below
-        pre, post = cp.empty((t, n), cp.float32), cp.empty((t, n), cp.float32)
-        comb = cp.empty((t, n, n), cp.float32)
+        pre, post, comb = _site_weights(t, n)
         main, side = cp.cuda.get_current_stream(), _side_stream(cp.cuda.Device().id)
         forked, mixed = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
         forked.record(main)
@@ -101,6 +99,11 @@ def _site_inputs(streams, fn, base, scale, iters: int):
     assert fn.shape == ((2 + n) * n, n * d), f"hc_weights: fn {fn.shape}, n={n}, D={d}"
     assert base.shape == ((2 + n) * n,) and scale.shape == (3,), (base.shape, scale.shape)
     return streams, fn, base, scale, (t, n, d)
+
+
+def _site_weights(t: int, n: int):
+    """Empty (pre [t, n], post [t, n], comb [t, n, n])."""
+    return cp.empty((t, n), cp.float32), cp.empty((t, n), cp.float32), cp.empty((t, n, n), cp.float32)
 
 
 def _partials(streams, fn):

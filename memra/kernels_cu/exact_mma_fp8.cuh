@@ -55,7 +55,7 @@ static __device__ __forceinline__ void e4m3x4_to_bf16x2(unsigned x, unsigned& ev
 // FULL as for load_x8.
 template <bool FULL>
 static __device__ __forceinline__ uint4 load_b16(const unsigned char* row, int k, int n_in, bool aligned) {
-    if (FULL || (row != nullptr && aligned && k + 16 <= n_in)) return *reinterpret_cast<const uint4*>(row + k);
+    if (FULL || (row != nullptr && aligned && k + 16 <= n_in)) return load_weights16<true>(row + k);
     unsigned b[4] = {0u, 0u, 0u, 0u};
     for (int j = 0; j < 16; ++j)
         if (row != nullptr && k + j < n_in) b[j / 4] |= (unsigned)row[k + j] << (8 * (j % 4));

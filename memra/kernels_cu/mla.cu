@@ -243,16 +243,19 @@ extern "C" __global__ void mla_softmax(float* scores, const int* positions, int 
     for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK) s[j] = s[j] / sum;
 }
 
+#define MIX_HEADS 64  // heads per mla_mix pass: 8 warps of 8 heads (mla_scores splits its own by ATT_HEADS)
+static_assert(MIX_HEADS == 8 * (MEMRA_BLOCK / 32), "mla_mix: a warp holds 8 heads of the pass");
+
 // One mla_mix step's loads: the probabilities of heads h0.. and the latent channels kb.. of
 // entries j0..j0+MIX_STEP (entry e of the split at ps[e]).
 struct MixLoads {
-    float p[ATT_HEADS * MIX_STEP / MEMRA_BLOCK];
+    float p[MIX_HEADS * MIX_STEP / MEMRA_BLOCK];
     float c[MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK];
 
     __device__ void load(const float* pr, const float* latent, const int* ps, int H, int R, int W,
                          int h0, int kb, int j0, int e0) {
 #pragma unroll
-        for (int i = 0; i < ATT_HEADS * MIX_STEP / MEMRA_BLOCK; ++i) {
+        for (int i = 0; i < MIX_HEADS * MIX_STEP / MEMRA_BLOCK; ++i) {
             const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / MIX_STEP, j = j0 + e % MIX_STEP;
             p[i] = h < H && j < W ? pr[(long long)h * W + j] : 0.0f;
         }
@@ -272,7 +275,7 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
                                    float* part, int H, int R, int W, int split) {
     after_predecessor();
     __shared__ __align__(16) float cs[MIX_STEP][MIX_CHANNELS];
-    __shared__ __align__(16) float pt[MIX_STEP][ATT_HEADS + 4];  // +4: float4 rows, fewer clashes
+    __shared__ __align__(16) float pt[MIX_STEP][MIX_HEADS + 4];  // +4: float4 rows, fewer clashes
     __shared__ int ps[MIX_SPLIT];
     const int r = blockIdx.z, s = blockIdx.y, kb = blockIdx.x * MIX_CHANNELS;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, js = s * split;
@@ -282,7 +285,7 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
     if (threadIdx.x < MIX_SPLIT) ps[threadIdx.x] = (int)threadIdx.x < jn ? pos[js + threadIdx.x] : -1;
     __syncthreads();
     MixLoads next;
-    for (int h0 = 0; h0 < H; h0 += ATT_HEADS) {
+    for (int h0 = 0; h0 < H; h0 += MIX_HEADS) {
         float acc[8][4];
 #pragma unroll
         for (int a = 0; a < 8; ++a)
@@ -292,7 +295,7 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
         for (int e0 = 0; e0 < jn; e0 += MIX_STEP) {
             __syncthreads();  // the previous step is done with the tiles
 #pragma unroll
-            for (int i = 0; i < ATT_HEADS * MIX_STEP / MEMRA_BLOCK; ++i) {
+            for (int i = 0; i < MIX_HEADS * MIX_STEP / MEMRA_BLOCK; ++i) {
                 const int e = threadIdx.x + i * MEMRA_BLOCK;
                 pt[e % MIX_STEP][e / MIX_STEP] = next.p[i];
             }

@@ -125,8 +125,7 @@ static __device__ __forceinline__ void mma_zero(float (&acc)[J][NT][4]) {
 // rows n. Each lane passes its own operand rows: wrow[j][h] is weight row 16 j + 8 h + g and
 // xrow[n] activation row 8 n + g (nullptr: a missing row, read as zeros). w_aligned / x_aligned:
 // every passed row starts 16-byte aligned and the loads may be vectors. Call with all
-// MMA_THREADS threads of the block (it synchronises); tile is ready when it returns. STREAM: the
-// weight loads' kind (load_weights16).
+// MMA_THREADS threads of the block (it synchronises); tile is ready when it returns.
 template <int J, int NT>
 struct MmaTile {
     float part[MMA_SPLIT][J][NT][4][MMA_WARP];
@@ -136,6 +135,7 @@ struct MmaTile {
 template <int J, int NT>
 static __device__ void mma_tile_reduce(const float (&acc)[J][NT][4], MmaTile<J, NT>& sh);
 
+// STREAM: the kind of the weight loads (load_weights16); the bf16 expert tiles pass false.
 template <int J, int NT, bool STREAM = true>
 static __device__ void mma_tile(const unsigned short* const (&wrow)[J][2], const float* const (&xrow)[NT],
                                 int n_in, bool w_aligned, bool x_aligned, MmaTile<J, NT>& sh) {

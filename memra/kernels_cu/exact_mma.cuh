@@ -32,11 +32,12 @@ static __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsi
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Eight floats -> three bf16 pieces, packed two per word (element 2j in the low half of word j):
+// 2W floats -> three bf16 pieces, packed two per word (element 2j in the low half of word j):
 // v = hi + mid + lo exactly (each subtraction is exact; only magnitudes under ~1e-33 flush).
-static __device__ __forceinline__ void split_pieces(const float (&v)[8], unsigned (&p)[3][4]) {
+template <int W>
+static __device__ __forceinline__ void split_pieces(const float (&v)[2 * W], unsigned (&p)[3][W]) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < W; ++j) {
         unsigned bits[3][2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {

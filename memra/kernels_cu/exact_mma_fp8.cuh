@@ -91,13 +91,36 @@ static __device__ __forceinline__ void mma_rows_fp8(const unsigned char* w, cons
     srow = o < n_rows ? scale + (long long)(o / FP8_BLOCK) * scale_stride : nullptr;
 }
 
+// A warp's staged activation words: [16-wide group u][piece][word] of one block of one row, the
+// words in the k-order above (word 2i: in-features 4i, 4i + 2 of the group, 2i + 1: 4i + 1, 4i + 3).
+typedef unsigned Fp8Stage[FP8_BLOCK / 16][3][8];
+
+// Lane l splits in-features kb + 4 l .. kb + 4 l + 3 of row (aligned, all present) into its two
+// words of each piece; then every lane may read any word of the block.
+static __device__ __forceinline__ void stage_row(const float* row, int kb, Fp8Stage& stage) {
+    const int lane = threadIdx.x % MMA_WARP;
+    const float4 a = *reinterpret_cast<const float4*>(row + kb + 4 * lane);
+    const float v[4] = {a.x, a.z, a.y, a.w};
+    unsigned p[3][2];
+    split_pieces(v, p);
+    __syncwarp();  // every lane is done reading the previous block's words
+#pragma unroll
+    for (int piece = 0; piece < 3; ++piece)
+        *reinterpret_cast<uint2*>(&stage[lane / 4][piece][2 * (lane % 4)]) = make_uint2(p[piece][0], p[piece][1]);
+    __syncwarp();
+}
+
 // The lane's MMAs over its blocks into acc (see mma_tile_fp8). FULL: every operand row present
-// and aligned and n_in a multiple of FP8_BLOCK, so no load checks anything.
-template <int J, int NT, bool FULL>
+// and aligned and n_in a multiple of FP8_BLOCK, so no load checks anything. ONE (FULL, NT = 1):
+// the tile has one activation row (lane 0's), staged once a block by the warp instead of split
+// by every lane group g for its own B column, 7 of 8 of them padded (the split was about a third
+// of the tile's instructions); a padded column then repeats column 0, and is never stored.
+template <int J, int NT, bool FULL, bool ONE = false>
 static __device__ __forceinline__ void mma_steps_fp8(const unsigned char* const (&wrow)[J][2],
                                                      const float* const (&srow)[J], const float* const (&xrow)[NT],
                                                      int n_in, bool w_aligned, bool x_aligned,
-                                                     float (&acc)[J][NT][4]) {
+                                                     float (&acc)[J][NT][4], Fp8Stage* stage = nullptr) {
+    static_assert(!ONE || (FULL && NT == 1), "a staged tile is whole and has one activation column");
     const int q = threadIdx.x % MMA_WARP % 4, warp = threadIdx.x / MMA_WARP;
     for (int kb = warp * FP8_BLOCK; kb < n_in; kb += MMA_SPLIT * FP8_BLOCK) {
         float part[J][NT][4];
@@ -110,6 +133,7 @@ static __device__ __forceinline__ void mma_steps_fp8(const unsigned char* const 
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
                     raw[half][j][h] = load_b16<FULL>(wrow[j][h], kb + 64 * half + 16 * q, n_in, w_aligned);
+        if constexpr (ONE) stage_row(xrow[0], kb, *stage);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int k = kb + 64 * half + 16 * q;
@@ -123,12 +147,22 @@ static __device__ __forceinline__ void mma_steps_fp8(const unsigned char* const 
                         e4m3x4_to_bf16x2(word(raw[half][j][h], i), wv[j][h][2 * i], wv[j][h][2 * i + 1]);
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                float xa[8], xb[8];
-                load_x8_fp8<FULL>(xrow[n], k, n_in, x_aligned, xa);
-                load_x8_fp8<FULL>(xrow[n], k + 8, n_in, x_aligned, xb);
                 unsigned pa[3][4], pb[3][4];
-                split_pieces(xa, pa);
-                split_pieces(xb, pb);
+                if constexpr (ONE) {
+#pragma unroll
+                    for (int piece = 0; piece < 3; ++piece) {
+                        const uint4* words = reinterpret_cast<const uint4*>((*stage)[4 * half + q][piece]);
+                        const uint4 a = words[0], b = words[1];
+                        pa[piece][0] = a.x; pa[piece][1] = a.y; pa[piece][2] = a.z; pa[piece][3] = a.w;
+                        pb[piece][0] = b.x; pb[piece][1] = b.y; pb[piece][2] = b.z; pb[piece][3] = b.w;
+                    }
+                } else {
+                    float xa[8], xb[8];
+                    load_x8_fp8<FULL>(xrow[n], k, n_in, x_aligned, xa);
+                    load_x8_fp8<FULL>(xrow[n], k + 8, n_in, x_aligned, xb);
+                    split_pieces(xa, pa);
+                    split_pieces(xb, pb);
+                }
 #pragma unroll
                 for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -192,7 +226,13 @@ static __device__ void mma_tile_fp8(const unsigned char* const (&wrow)[J][2], co
         for (int j = 0; j < J; ++j) present_rows(wrow[j], w0, w[j]);
         present_rows(srow, srow[0], s);
         present_rows(xrow, lane0_row(xrow[0]), x);
-        mma_steps_fp8<J, NT, true>(w, s, x, n_in, true, true, acc);
+        const int g = threadIdx.x % MMA_WARP / 4;
+        if (NT == 1 && __all_sync(0xffffffffu, g == 0 || xrow[0] == nullptr)) {  // the same in every warp
+            __shared__ __align__(16) Fp8Stage stage[MMA_SPLIT];
+            mma_steps_fp8<J, NT, true, NT == 1>(w, s, x, n_in, true, true, acc, &stage[threadIdx.x / MMA_WARP]);
+        } else {
+            mma_steps_fp8<J, NT, true>(w, s, x, n_in, true, true, acc);
+        }
     } else {
         mma_steps_fp8<J, NT, false>(wrow, srow, xrow, n_in, w_aligned, x_aligned, acc);
     }

@@ -175,6 +175,20 @@ def test_red_arm_every_row_read_as_the_first_breaks_the_unchecked_tiles(monkeypa
     assert _unchecked_equals_checked(8)  # green
 
 
+def test_red_arm_a_staged_row_in_the_wrong_k_order_breaks_the_one_row_tiles(monkeypatch, tmp_path):
+    """A one-row tile (t = 1, or an expert with one pair) stages the row's words once per warp;
+    staging them in plain order instead of the widened weights' k-order is caught (the checked
+    tile, x misaligned, splits per lane and stays right)."""
+    exact = "const float v[4] = {a.x, a.z, a.y, a.w};"
+    mutants = {}
+    for fam in ("dense", "moe"):
+        (tmp_path / fam).mkdir()
+        mutants[fam] = _mutated_launch(monkeypatch, tmp_path / fam, "exact_mma_fp8.cuh", exact,
+                                       "const float v[4] = {a.x, a.y, a.z, a.w};", fam)
+    assert not _unchecked_equals_checked(1, launch=mutants.get)
+    assert _unchecked_equals_checked(1)  # green
+
+
 # ---- the identity gate and its red arms -------------------------------------------------------------
 
 def _identity(n, scales):

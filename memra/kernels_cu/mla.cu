@@ -129,27 +129,32 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
 //                    `split` entries j (the wrapper passes MIX_SPLIT), ascending;
 //   mla_mix_combine: o[r, h, k] = sum of part[r, s, h, k] over the splits s, ascending.
 // Each value's order depends on R, W and the row's own list only, never on t, the tile or the grid.
-#define ATT_KT 64     // in-channels staged per mla_scores step (64: 8 steps of R = 512, 7% faster than 32)
+// In-channels staged per mla_scores step; each step waits on its loads once. One position a
+// thread takes 128 (R = 512 in 4 steps): graph-timed at t = 1 on the H200, 41.3 -> 30.8 us an
+// attention call with 512 of 2048 entries selected and 42.0 -> 42.8 with all 2063; 256 was
+// slower on full lists (fewer blocks an SM). Two positions a thread keep 64.
+template <int PT>
+__host__ __device__ constexpr int score_kt() { return PT == 1 ? 128 : 64; }
 static_assert(MEMRA_BLOCK == 256, "mla_scores and mla_mix tile 256 threads");
 static_assert(ATT_HEADS * ATT_POS == MEMRA_BLOCK, "mla_scores: a thread per (head, position column)");
 static_assert(MIX_CHANNELS == 128 && MIX_SPLIT % MIX_STEP == 0, "mla_mix: 4 channels per lane");
 
-// One mla_scores step's loads: q of heads h0.. and the tile's latent rows, channels k0..k0+ATT_KT.
-template <int PT>
+// One mla_scores step's loads: q of heads h0.. and the tile's latent rows, channels k0..k0+KT.
+template <int PT, int KT = score_kt<PT>()>
 struct ScoreLoads {
-    float q[ATT_HEADS * ATT_KT / MEMRA_BLOCK];
-    float c[ATT_POS * PT * ATT_KT / MEMRA_BLOCK];
+    float q[ATT_HEADS * KT / MEMRA_BLOCK];
+    float c[ATT_POS * PT * KT / MEMRA_BLOCK];
 
     __device__ void load(const float* qr, const float* latent, const int* ps, int H, int R, int h0,
                          int k0) {
 #pragma unroll
-        for (int i = 0; i < ATT_HEADS * ATT_KT / MEMRA_BLOCK; ++i) {
-            const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / ATT_KT, k = k0 + e % ATT_KT;
+        for (int i = 0; i < ATT_HEADS * KT / MEMRA_BLOCK; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / KT, k = k0 + e % KT;
             q[i] = h < H && k < R ? qr[(long long)h * R + k] : 0.0f;
         }
 #pragma unroll
-        for (int i = 0; i < ATT_POS * PT * ATT_KT / MEMRA_BLOCK; ++i) {
-            const int e = threadIdx.x + i * MEMRA_BLOCK, pos = ps[e / ATT_KT], k = k0 + e % ATT_KT;
+        for (int i = 0; i < ATT_POS * PT * KT / MEMRA_BLOCK; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK, pos = ps[e / KT], k = k0 + e % KT;
             c[i] = pos >= 0 && k < R ? latent[(long long)pos * R + k] : 0.0f;
         }
     }
@@ -164,9 +169,9 @@ struct ScoreLoads {
 template <int PT>
 __device__ void mla_scores_tile(const float* q, const float* latent, const int* positions,
                                 float* scores, int H, int R, int W, float scale) {
-    constexpr int SP = ATT_POS * PT;
-    __shared__ float qs[ATT_KT][ATT_HEADS + 1];  // +1: the transposing stores spread
-    __shared__ float cs[ATT_KT][SP + 1];
+    constexpr int SP = ATT_POS * PT, KT = score_kt<PT>();
+    __shared__ float qs[KT][ATT_HEADS + 1];  // +1: the transposing stores spread
+    __shared__ float cs[KT][SP + 1];
     __shared__ int ps[SP];
     const int r = blockIdx.y, j0 = blockIdx.x * SP, h0 = blockIdx.z * ATT_HEADS;
     const int h = threadIdx.x / ATT_POS, pl = threadIdx.x % ATT_POS;
@@ -183,21 +188,21 @@ __device__ void mla_scores_tile(const float* q, const float* latent, const int* 
 #pragma unroll
     for (int i = 0; i < PT; ++i) acc[i] = 0.0f;
     next.load(qr, latent, ps, H, R, h0, 0);
-    for (int k0 = 0; k0 < R; k0 += ATT_KT) {
+    for (int k0 = 0; k0 < R; k0 += KT) {
         __syncthreads();  // the previous step is done with the tiles
 #pragma unroll
-        for (int i = 0; i < ATT_HEADS * ATT_KT / MEMRA_BLOCK; ++i) {
+        for (int i = 0; i < ATT_HEADS * KT / MEMRA_BLOCK; ++i) {
             const int e = threadIdx.x + i * MEMRA_BLOCK;
-            qs[e % ATT_KT][e / ATT_KT] = next.q[i];
+            qs[e % KT][e / KT] = next.q[i];
         }
 #pragma unroll
-        for (int i = 0; i < SP * ATT_KT / MEMRA_BLOCK; ++i) {
+        for (int i = 0; i < SP * KT / MEMRA_BLOCK; ++i) {
             const int e = threadIdx.x + i * MEMRA_BLOCK;
-            cs[e % ATT_KT][e / ATT_KT] = next.c[i];
+            cs[e % KT][e / KT] = next.c[i];
         }
         __syncthreads();
-        if (k0 + ATT_KT < R) next.load(qr, latent, ps, H, R, h0, k0 + ATT_KT);  // in flight meanwhile
-        const int kn = min(ATT_KT, R - k0);
+        if (k0 + KT < R) next.load(qr, latent, ps, H, R, h0, k0 + KT);  // in flight meanwhile
+        const int kn = min(KT, R - k0);
         for (int k = 0; k < kn; ++k) {
             const float qv = qs[k][h];
 #pragma unroll

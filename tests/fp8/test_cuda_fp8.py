@@ -164,13 +164,18 @@ def test_unchecked_fp8_tiles_give_the_checked_tiles_bits(t):
     assert _unchecked_equals_checked(t)
 
 
-def test_red_arm_every_row_read_as_the_first_breaks_the_unchecked_tiles(monkeypatch, tmp_path):
-    """present_rows standing every row in for the first (not only the missing ones) is caught."""
-    exact = "out[i] = in[i] != nullptr ? in[i] : first;"
+def _tile_mutants(monkeypatch, tmp_path, exact: str, broken: str) -> dict:
+    """exact_mma_fp8.cuh with `exact` replaced by `broken`, as a launch per family (dense, moe)."""
     mutants = {}
     for fam in ("dense", "moe"):
         (tmp_path / fam).mkdir()
-        mutants[fam] = _mutated_launch(monkeypatch, tmp_path / fam, "exact_mma_fp8.cuh", exact, "out[i] = first;", fam)
+        mutants[fam] = _mutated_launch(monkeypatch, tmp_path / fam, "exact_mma_fp8.cuh", exact, broken, fam)
+    return mutants
+
+
+def test_red_arm_every_row_read_as_the_first_breaks_the_unchecked_tiles(monkeypatch, tmp_path):
+    """present_rows standing every row in for the first (not only the missing ones) is caught."""
+    mutants = _tile_mutants(monkeypatch, tmp_path, "out[i] = in[i] != nullptr ? in[i] : first;", "out[i] = first;")
     assert not _unchecked_equals_checked(8, launch=mutants.get)
     assert _unchecked_equals_checked(8)  # green
 
@@ -179,12 +184,8 @@ def test_red_arm_a_staged_row_in_the_wrong_k_order_breaks_the_one_row_tiles(monk
     """A one-row tile (t = 1, or an expert with one pair) stages the row's words once per warp;
     staging them in plain order instead of the widened weights' k-order is caught (the checked
     tile, x misaligned, splits per lane and stays right)."""
-    exact = "const float v[4] = {a.x, a.z, a.y, a.w};"
-    mutants = {}
-    for fam in ("dense", "moe"):
-        (tmp_path / fam).mkdir()
-        mutants[fam] = _mutated_launch(monkeypatch, tmp_path / fam, "exact_mma_fp8.cuh", exact,
-                                       "const float v[4] = {a.x, a.y, a.z, a.w};", fam)
+    mutants = _tile_mutants(monkeypatch, tmp_path, "const float v[4] = {a.x, a.z, a.y, a.w};",
+                            "const float v[4] = {a.x, a.y, a.z, a.w};")
     assert not _unchecked_equals_checked(1, launch=mutants.get)
     assert _unchecked_equals_checked(1)  # green
 

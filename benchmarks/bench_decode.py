@@ -16,7 +16,10 @@ token: the greedy step's argmax, taken on the device, as PlainSession takes it).
 Where the cache's walk runner captures graphs (cuda), the decode runs twice on one cache: eager
 launches, then graph replay (the default; the headline numbers), and the host share of a
 replayed step is the launch overhead left; `replay_gpu_ms` is then the captured step's GPU time
-alone (back-to-back replays between CUDA events).
+alone (back-to-back replays between CUDA events). `session` is greedy decode as a user gets it,
+PlainSession.burst on a fresh --context-token prompt: its steps run one ahead of the token the host
+reads (speculative/plain.py), so the host's share hides behind the device's; timed from a running
+session to the last token's step and the one ahead of it, so it never reads faster than it is.
 Prints a card on stderr and ONE JSON line on stdout.
 """
 
@@ -40,6 +43,7 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.kernel_profile import kernel_profile  # noqa: E402
 from benchmarks.walk_bytes import moe_layer_count, state_bytes, weight_bytes  # noqa: E402
 from memra.limits import VERIFY_CAP  # noqa: E402
+from memra.speculative.plain import PlainSession  # noqa: E402
 
 COUNTED_STEPS = 4    # eager decode steps run again with launches counted (counting slows the host)
 PROFILED_STEPS = 16  # steps run again under the kernel profiler (graph replay where captured)
@@ -145,8 +149,24 @@ def decode(model, args, roof: float | None) -> dict:
         "launches_by_kernel": None if launches is None else {
             k: v / COUNTED_STEPS for k, v in sorted(launches.items())},
         "eager": runs["eager"], "graph_replay": runs.get("graph"), "replay_gpu_ms": replay_gpu,
+        "session": session_decode(model, args, weights["total"], roof),
         "kernel_profile": profile,
     }
+
+
+def session_decode(model, args, weights: int, roof: float | None) -> dict:
+    """Greedy tokens/s of PlainSession.burst (see the module doc): args.steps tokens after
+    WARMUP_STEPS + 1 untimed ones (the eager first walk and the capture), wall time up to the
+    device's end of the step ahead."""
+    session = PlainSession(model, random_tokens(model.cfg, args.context, args.seed + 2),
+                           args.context + WARMUP_STEPS + args.steps + 3)
+    session.burst(WARMUP_STEPS + 1)
+    wall = time.perf_counter()
+    tokens = session.burst(args.steps)
+    model.be.synchronize()
+    ms = (time.perf_counter() - wall) * 1e3 / len(tokens)
+    return {"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "tokens": len(tokens),
+            "bandwidth_fraction": bandwidth_fraction(weights, ms, roof)}
 
 
 def replay_gpu_ms(cache) -> float | None:
@@ -185,6 +205,10 @@ def card(record: dict) -> list[str]:
                          f"({100 * run['host_share']:5.1f}% of a step)")
     if d.get("replay_gpu_ms") is not None:
         lines.append(f"  replay GPU   {d['replay_gpu_ms']:8.3f} ms/step  (the captured step alone, no host work)")
+    run = d["session"]
+    lines.append(f"  session      {run['ms_per_token']:8.3f} ms/token {run['tokens_per_s']:8.1f} tokens/s"
+                 + (f"  {100 * run['bandwidth_fraction']:5.1f}% of copy bw" if run["bandwidth_fraction"] else "")
+                 + "  (PlainSession, a step ahead of the host)")
     if launches is not None:
         lines.append(f"  {launches:.0f} memra launches per eager step")
     lines += profile_lines(d.get("kernel_profile"), "a decode step")

@@ -94,6 +94,11 @@ class NumpyBackend(NumpyHyperOps, NumpyKdaOps, NumpyDraftOps, NumpyFilterOps):
     def to_host(self, a) -> np.ndarray:
         return np.asarray(a)
 
+    def to_host_async(self, a):
+        """to_host as a function that returns the copy (on the host there is nothing to wait for)."""
+        host = np.array(a, copy=True)
+        return lambda: host
+
     def contiguous(self, a) -> np.ndarray:
         """A C-contiguous copy of a strided view (kernels take contiguous rows)."""
         return np.ascontiguousarray(a)

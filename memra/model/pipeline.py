@@ -68,6 +68,7 @@ class StagedGlm5Model(Glm5Model):
         self.layers = [layer for stage in self.stage_layers for layer in stage]
         with self.lanes.scope(last):
             same = self.lanes.devices[0] == self.lanes.devices[last]
+            self.chains_device_ids = same  # the last stage's argmax feeds the first stage's embedding
             self._hold_the_head(weights, self.first_embed if same else None)
         self.lanes.make_current(last)
         self.selections_in, self.selections_out = selection_routes(cfg, plan)

@@ -11,7 +11,8 @@ would take them (2.7 is not a token).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,3 +44,14 @@ def check_token_ids(ids, vocab: int, what: str = "token id", fix: str = TOKENIZE
             raise InputError(f"{what} {tok} is outside the vocab 0..{vocab - 1}: {fix}")
         out.append(tok)
     return out
+
+
+@dataclass(frozen=True)
+class NextToken:
+    """A greedy step's token before the host has read it (Glm5Model.decode_next): `ids` [1],
+    where the backend keeps it (the next decode_next's input), and `wait()` -> the int."""
+    ids: object
+    read: Callable
+
+    def wait(self) -> int:
+        return int(self.read()[0])

@@ -25,7 +25,7 @@ from memra.model.kda import KdaMixer
 from memra.model.mla import MlaMixer
 from memra.model.moe import DenseMlp, Moe
 from memra.model.mtp import MtpBlock
-from memra.model.tokens import check_token_ids
+from memra.model.tokens import NextToken, check_token_ids
 
 
 class TrunkLayer:
@@ -49,6 +49,8 @@ class TrunkLayer:
 
 
 class Glm5Model:
+    chains_device_ids = True  # decode_next feeds a step's argmax to the next step where it lies
+
     def __init__(self, cfg: ModelConfig, weights: dict, backend):
         self.cfg, self.be = cfg, backend
         be = backend
@@ -133,6 +135,22 @@ class Glm5Model:
         """decode_step for greedy decoding -> the next token: the argmax of the logits (the
         lowest index on ties), taken where they are, so one int crosses to the host."""
         return int(self.be.to_host(self.be.argmax(self._decode(token_id, cache, "decode_greedy"))))
+
+    def decode_next(self, token, cache: Cache) -> NextToken:
+        """decode_greedy without waiting for the token: the step is enqueued and its argmax
+        taken on the device, then copied to the host behind it. `token` is an int or the
+        NextToken of the step before, whose id stays where the backend keeps it, so a caller
+        enqueues step n + 1 before it reads token n and the device never waits on the host."""
+        if isinstance(token, NextToken) and self.chains_device_ids:
+            tokens = token.ids  # an argmax of this model's logits: inside the vocab
+            self._check_room(cache, 1)
+        else:
+            tokens = self._check_tokens([token.wait() if isinstance(token, NextToken) else token],
+                                        cache, "decode_next")
+        logits, _ = self.forward_rows(tokens, cache)
+        cache.pos += 1
+        ids = self.be.argmax(logits[:1])
+        return NextToken(ids, self.be.to_host_async(ids))
 
     def _decode(self, token_id, cache: Cache, what: str):
         """One decode walk -> the logits row [vocab] where the backend keeps it."""
@@ -330,9 +348,12 @@ class Glm5Model:
     def _check_tokens(self, token_ids, cache: Cache, what: str) -> np.ndarray:
         self._check_cache(cache, what)
         ids = check_token_ids(token_ids, self.cfg.vocab_size)
-        if cache.pos + len(ids) > cache.max_ctx:
+        self._check_room(cache, len(ids))
+        return np.asarray(ids, dtype=np.int64)
+
+    def _check_room(self, cache: Cache, n: int) -> None:
+        if cache.pos + n > cache.max_ctx:
             raise ContextOverflowError(
-                f"{len(ids)} more tokens at position {cache.pos} would pass max_ctx "
+                f"{n} more tokens at position {cache.pos} would pass max_ctx "
                 f"{cache.max_ctx}; create the cache with a larger max_ctx"
             )
-        return np.asarray(ids, dtype=np.int64)

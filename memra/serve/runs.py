@@ -19,6 +19,7 @@ import numpy as np
 
 from memra.generate import clip_tokens
 from memra.limits import spec_context
+from memra.model.tokens import NextToken
 from memra.speculative.plain import PlainSession
 from memra.speculative.session import SpecSession
 
@@ -94,6 +95,11 @@ class LogitTap:
     def decode_greedy(self, token, cache) -> int:
         """The logprobs need the row on the host anyway: take the argmax there."""
         return int(np.argmax(self.decode_step(token, cache)))
+
+    def decode_next(self, token, cache) -> NextToken:
+        """decode_greedy, at once: nothing is left in flight."""
+        ids = np.array([self.decode_greedy(token.wait() if isinstance(token, NextToken) else token, cache)])
+        return NextToken(ids, lambda: ids)
 
     def verify_rows(self, token_ids, cache, tap_layers=()):
         out = self._model.verify_rows(token_ids, cache, tap_layers)

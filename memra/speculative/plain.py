@@ -4,9 +4,13 @@
     tokens = session.burst(target=32, eos=(eos_id,))
 
 Greedy takes the argmax (lowest index on ties); sampled draws from the filtered distribution on
-the session's own Philox stream, the stream a SpecSession with the same seed starts from. A token
-is decoded only when it is asked for, so however the bursts are cut the tokens are the same and
-the cache never runs past the last token returned.
+the session's own Philox stream, the stream a SpecSession with the same seed starts from. However
+the bursts are cut the tokens are the same. A sampled token is decoded only when it is asked for.
+Greedy runs one step ahead: step n + 1 is enqueued, fed step n's argmax where the backend keeps
+it, before token n is read, so the device does not idle while the host reads a token and enqueues
+the next step. The step ahead runs only where max_ctx leaves room for the token after it, so a
+session made with max_ctx = prompt + max new tokens decodes nothing it will not return (but one
+step past an EOS); the cache runs at most one step past the last token returned.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class PlainSession:
         self.cache = model.new_cache(max_ctx)
         self.pending = self._choose(model.prime(prompt_ids, self.cache))  # chosen, not yet returned
         self.last = None                  # the last token returned: the next decode step's input
+        self.ahead = None                 # greedy: the step after `last`, enqueued (a NextToken)
         self.done = False
 
     def burst(self, target: int, eos=()) -> list[int]:
@@ -43,8 +48,14 @@ class PlainSession:
     def _next(self) -> int:
         """Decode the last token and choose the next (greedy: the argmax, taken on the device)."""
         if self.sampling is None:
-            return self.model.decode_greedy(self.last, self.cache)
+            return self._greedy()
         return self._choose(self.model.decode_logits(self.last, self.cache))
+
+    def _greedy(self) -> int:
+        step, self.ahead = self.ahead or self.model.decode_next(self.last, self.cache), None
+        if self.cache.pos + 2 <= self.cache.max_ctx:  # room for the step ahead and the token after it
+            self.ahead = self.model.decode_next(step, self.cache)
+        return step.wait()
 
     def _choose(self, logits) -> int:
         """The token after a logits row (host, or where the backend keeps it)."""

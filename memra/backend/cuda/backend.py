@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 import cupy as cp
+import cupyx
 
 from memra.backend.cuda.dense import DenseOps
 from memra.backend.cuda.draft import DraftOps
@@ -80,6 +81,19 @@ class CudaBackend(DenseOps, DraftOps, FilterOps, NormOps, HyperOps, KdaOps, MlaO
 
     def to_host(self, a) -> np.ndarray:
         return cp.asnumpy(a)
+
+    def to_host_async(self, a):
+        """A copy of `a` to pinned host memory, enqueued behind the work so far without waiting
+        for it -> a function that waits for the copy and returns it."""
+        host = cupyx.empty_pinned(a.shape, a.dtype)
+        a.get(out=host, blocking=False)
+        copied = cp.cuda.Event(disable_timing=True)
+        copied.record()
+
+        def wait() -> np.ndarray:
+            copied.synchronize()
+            return host
+        return wait
 
     def contiguous(self, a):
         return cp.ascontiguousarray(a)

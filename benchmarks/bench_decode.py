@@ -18,8 +18,9 @@ launches, then graph replay (the default; the headline numbers), and the host sh
 replayed step is the launch overhead left; `replay_gpu_ms` is then the captured step's GPU time
 alone (back-to-back replays between CUDA events). `session` is greedy decode as a user gets it,
 PlainSession.burst on a fresh --context-token prompt: its steps run one ahead of the token the host
-reads (speculative/plain.py), so the host's share hides behind the device's; timed from a running
-session to the last token's step and the one ahead of it, so it never reads faster than it is.
+reads (speculative/plain.py), so the host's share hides behind the device's; timed between two
+tokens the running session returns, each with the step after it in flight, so the span holds
+exactly one step per token.
 Prints a card on stderr and ONE JSON line on stdout.
 """
 
@@ -156,15 +157,15 @@ def decode(model, args, roof: float | None) -> dict:
 
 def session_decode(model, args, weights: int, roof: float | None) -> dict:
     """Greedy tokens/s of PlainSession.burst (see the module doc): args.steps tokens after
-    WARMUP_STEPS + 1 untimed ones (the eager first walk and the capture), wall time up to the
-    device's end of the step ahead."""
+    WARMUP_STEPS + 1 untimed ones (the eager first walk and the capture); max_ctx leaves room for
+    the step ahead of the last timed token, so the timed burst ends as it began."""
     session = PlainSession(model, random_tokens(model.cfg, args.context, args.seed + 2),
                            args.context + WARMUP_STEPS + args.steps + 3)
     session.burst(WARMUP_STEPS + 1)
     wall = time.perf_counter()
     tokens = session.burst(args.steps)
-    model.be.synchronize()
     ms = (time.perf_counter() - wall) * 1e3 / len(tokens)
+    assert session.ahead is not None, "session_decode: the timed burst must end with a step in flight"
     return {"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "tokens": len(tokens),
             "bandwidth_fraction": bandwidth_fraction(weights, ms, roof)}
 

@@ -9,6 +9,8 @@ Red arm: replays that ignore device ids (the ids the graph last held stay) draft
 so the comparison can fail.
 """
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -44,13 +46,21 @@ def host_chain(self, k, logits, carrier) -> Proposal:
     return Proposal(tokens=tokens, confidences=confidences)
 
 
+@functools.cache
+def _tape(model) -> tuple:
+    """The plain tape, made once per model: before a red arm's patch, which PlainSession's own
+    device-fed steps would also feel."""
+    return tuple(plain_tape(model, prompt_ids(model), 64))
+
+
 def proposals(model, options, monkeypatch, chain=None) -> list[Proposal]:
     """Every proposal of a greedy session whose rounds accept 0..K drafts in turn."""
+    tape = list(_tape(model))
     with monkeypatch.context() as m:
         if chain is not None:
             m.setattr(NativeMtpState, "_greedy", chain)
         prompt = prompt_ids(model)
-        oracle = Oracle(plain_tape(model, prompt, 64), model.cfg.vocab_size, lambda r: r % (K + 1))
+        oracle = Oracle(tape, model.cfg.vocab_size, lambda r: r % (K + 1))
         session = open_session(model, prompt, drafter=load_drafter("native-mtp", model, options), oracle=oracle)
         log = proposal_log(session)
         tokens = run_bursts(session, N_TOKENS, K)

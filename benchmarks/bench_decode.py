@@ -39,12 +39,12 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_decode.py`: `be
 
 from benchmarks.common import (  # noqa: E402
     WARMUP_STEPS, bandwidth_fraction, card_head, counted_launches, emit, greedy_steps, int_list, model_args,
-    model_config, model_from_args, prime_context, random_tokens, record_header, roof_gbs, time_ms, timed_call,
+    model_config, model_from_args, prime_context, random_tokens, record_header, roof_gbs, session_tokens, time_ms,
+    timed_call,
 )
 from benchmarks.kernel_profile import kernel_profile  # noqa: E402
 from benchmarks.walk_bytes import moe_layer_count, state_bytes, weight_bytes  # noqa: E402
 from memra.limits import VERIFY_CAP  # noqa: E402
-from memra.speculative.plain import PlainSession  # noqa: E402
 
 COUNTED_STEPS = 4    # eager decode steps run again with launches counted (counting slows the host)
 PROFILED_STEPS = 16  # steps run again under the kernel profiler (graph replay where captured)
@@ -156,17 +156,9 @@ def decode(model, args, roof: float | None) -> dict:
 
 
 def session_decode(model, args, weights: int, roof: float | None) -> dict:
-    """Greedy tokens/s of PlainSession.burst (see the module doc): args.steps tokens after
-    WARMUP_STEPS + 1 untimed ones (the eager first walk and the capture); max_ctx leaves room for
-    the step ahead of the last timed token, so the timed burst ends as it began."""
-    session = PlainSession(model, random_tokens(model.cfg, args.context, args.seed + 2),
-                           args.context + WARMUP_STEPS + args.steps + 3)
-    session.burst(WARMUP_STEPS + 1)
-    wall = time.perf_counter()
-    tokens = session.burst(args.steps)
-    ms = (time.perf_counter() - wall) * 1e3 / len(tokens)
-    assert session.ahead is not None, "session_decode: the timed burst must end with a step in flight"
-    return {"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "tokens": len(tokens),
+    """Greedy tokens/s of PlainSession.burst on a fresh --context-token prompt (common.session_tokens)."""
+    ms, tokens = session_tokens(model, random_tokens(model.cfg, args.context, args.seed + 2), args.steps)
+    return {"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "tokens": args.steps,
             "bandwidth_fraction": bandwidth_fraction(weights, ms, roof)}
 
 

@@ -5,7 +5,9 @@ and against the bound its realised acceptance allows.
         [--out F] [--steps 512] [--context 512] [--alphas 0.5,0.7,0.9,1.0] [--ks 1,3,5,7] [--reps 10]
         [--profile ACCEPT.json]
 
-Greedy only. After a --context-token prompt: the plain greedy tape and plain tokens/s; for each K
+Greedy only. After a --context-token prompt: the plain greedy tape and plain tokens/s (a
+PlainSession's burst, one step ahead of the host, timed by wall clock as the spec points are; its
+tokens must be the tape; `ms_per_step` beside it is one synchronous step); for each K
 the verify time of K+1 rows (median of --reps walks, each rewound) and the real per-round draft
 cost of native-mtp (when the preset has an MTP block) and of a dflash2 fixture drafter built for
 the preset (median propose() time over a real session of --steps tokens), native-mtp's lm head
@@ -41,7 +43,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_spec.py`: `benc
 
 from benchmarks.common import (  # noqa: E402
     WARMUP_STEPS, card_head, emit, greedy_steps, model_args, model_config, model_from_args, prime_context, random_tokens,
-    record_header, timed_call, verify_times,
+    record_header, session_tokens, timed_call, verify_times,
 )
 from benchmarks.kernel_profile import kernel_profile  # noqa: E402
 from memra.config import preset  # noqa: E402
@@ -251,7 +253,7 @@ def point(model, prompt, tape, alpha, k, verify_ms, costs, plain_tps, args) -> d
 def card(record: dict) -> list[str]:
     p = record["plain"]
     lines = [card_head(record) + "  plain "
-             f"{p['tokens_per_s']:.1f} tokens/s ({p['ms_per_step']:.3f} ms/step)"]
+             f"{p['tokens_per_s']:.1f} tokens/s as a session ({p['ms_per_step']:.3f} ms a synchronous step)"]
     for name, reason in record["draft_unavailable"].items():
         lines.append(f"  {name}: not measured ({reason})")
     for name, ms in record["draft_head_ms_per_step"].items():
@@ -290,11 +292,14 @@ def main(argv=None) -> int:
     tape: list[int] = []
     times, last = greedy_steps(model, cache, anchor, room, tape)
     tape.append(last)
-    plain_ms = float(np.median(times[WARMUP_STEPS:]))
-    plain = {"ms_per_step": plain_ms, "tokens_per_s": 1e3 / plain_ms}
+    prompt = random_tokens(model.cfg, args.context, args.seed)
+    session_ms, session = session_tokens(model, prompt, args.steps)
+    if session != tape[:len(session)]:
+        raise MemraError("a plain session left the plain greedy tape: the benchmark's reference is broken")
+    plain = {"ms_per_step": float(np.median(times[WARMUP_STEPS:])), "session_ms_per_token": session_ms,
+             "tokens_per_s": 1e3 / session_ms}
     cache, _ = prime_context(model, args.context, max(args.ks) + 1, args.seed)
     verify = {k: float(np.median(verify_times(model, cache, tape[:k + 1], args.reps)[0])) for k in args.ks}
-    prompt = random_tokens(model.cfg, args.context, args.seed)
     costs, reasons, heads, profiles = draft_costs(model, prompt, tape, args)
     spec = [point(model, prompt, tape, a, k, verify[k], costs, plain["tokens_per_s"], args)
             for k in args.ks for a in args.alphas]

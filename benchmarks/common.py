@@ -49,6 +49,7 @@ from memra.model.pipeline import StagedGlm5Model
 from memra.model.stages import plan_stages
 from memra.model.trunk import Glm5Model
 from memra.safetensors_io import f32_to_bf16
+from memra.speculative.plain import PlainSession
 
 POOL_ELEMENTS = 1 << 26  # 64M bf16 values (128 MB) back every large tensor
 POOLED_MIN = 1 << 20     # tensors with at least this many elements are pool views
@@ -187,6 +188,21 @@ def roof_gbs(be) -> float | None:
     """The bandwidth a walk is held against: the device's copy bandwidth, or None for a backend
     whose arrays are host numpy arrays (no device memory to measure)."""
     return None if be.xp is np else copy_bandwidth_gbs()
+
+
+def session_tokens(model: Glm5Model, prompt, steps: int) -> tuple[float, list[int]]:
+    """Greedy decode as PlainSession delivers it, one step ahead of the host -> (ms per token,
+    the tokens). WARMUP_STEPS + 1 untimed tokens first (the eager first walk and the capture),
+    then `steps` timed between two returned tokens, each with the step after it in flight (max_ctx
+    leaves room for it), so the span holds exactly one step per token. The tokens are the
+    session's from the prompt's first on."""
+    session = PlainSession(model, prompt, len(prompt) + WARMUP_STEPS + steps + 3)
+    tokens = session.burst(WARMUP_STEPS + 1)
+    start = time.perf_counter()
+    timed = session.burst(steps)
+    ms = (time.perf_counter() - start) * 1e3 / len(timed)
+    assert session.ahead is not None, "session_tokens: the timed burst must end with a step in flight"
+    return ms, tokens + timed
 
 
 def greedy_steps(model: Glm5Model, cache, token: int, steps: int, tape: list | None = None):

@@ -143,6 +143,7 @@ class Glm5Model:
         enqueues step n + 1 before it reads token n and the device never waits on the host."""
         if isinstance(token, NextToken) and self.chains_device_ids:
             tokens = token.ids  # an argmax of this model's logits: inside the vocab
+            self._check_cache(cache, "decode_next")
             self._check_room(cache, 1)
         else:
             tokens = self._check_tokens([token.wait() if isinstance(token, NextToken) else token],

@@ -9,6 +9,8 @@ unless the backend is made with graphs=False.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 import cupy as cp
@@ -28,6 +30,10 @@ from memra.backend.cuda.runtime import position
 from memra.backend.cuda.sampling import FilterOps
 from memra.backend.fp8 import Fp8Block
 from memra.safetensors_io import bf16_to_f32
+
+
+def _landed(copied, host) -> None:
+    copied.synchronize()
 
 
 class CudaBackend(DenseOps, DraftOps, FilterOps, NormOps, HyperOps, KdaOps, MlaOps, MoeOps, PhiloxOps):
@@ -93,6 +99,9 @@ class CudaBackend(DenseOps, DraftOps, FilterOps, NormOps, HyperOps, KdaOps, MlaO
         def wait() -> np.ndarray:
             copied.synchronize()
             return host
+        # never waited for (a session ended by an EOS leaves its step ahead): the buffer goes back
+        # to CuPy's pinned pool only once the copy has landed, or a later buffer could take it
+        weakref.finalize(wait, _landed, copied, host).atexit = False
         return wait
 
     def contiguous(self, a):

@@ -232,8 +232,8 @@ def test_row_of_t_row_call_is_bit_identical_to_row_alone(case, t):
 
 def test_row_table_covers_every_row_op_of_the_backend():
     """A new backend op must join the table (or be listed here as having no row axis)."""
-    no_row_axis = {"asarray", "weight", "matrix", "zeros", "to_host", "concat", "contiguous", "copy", "assign", "race_draw",
-                   "name", "position", "walks",
+    no_row_axis = {"asarray", "weight", "matrix", "zeros", "to_host", "to_host_async", "concat", "contiguous", "copy",
+                   "assign", "race_draw", "name", "position", "walks",
                    "xp", "compiles_on_first_use", "device_name", "synchronize",  # capabilities
                    "write_rows", "kpool_finalize",  # plane writes: tests/model/test_plane_writes.py
                    "short_conv", "kda_recurrence",  # the stateful table below

@@ -129,10 +129,9 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
 //                    `split` entries j (the wrapper passes MIX_SPLIT), ascending;
 //   mla_mix_combine: o[r, h, k] = sum of part[r, s, h, k] over the splits s, ascending.
 // Each value's order depends on R, W and the row's own list only, never on t, the tile or the grid.
-// In-channels staged per mla_scores step; each step waits on its loads once. One position a
-// thread takes 128 (R = 512 in 4 steps): graph-timed at t = 1 on the H200, 41.3 -> 30.8 us an
-// attention call with 512 of 2048 entries selected and 42.0 -> 42.8 with all 2063; 256 was
-// slower on full lists (fewer blocks an SM). Two positions a thread keep 64.
+// In-channels staged per mla_scores step; each step waits on its loads once, so one position a
+// thread takes 128 (R = 512 in 4 waits). 256 needs so many registers that one block fits an SM,
+// which loses on full lists; two positions a thread keep 64 for the same reason.
 template <int PT>
 __host__ __device__ constexpr int score_kt() { return PT == 1 ? 128 : 64; }
 static_assert(MEMRA_BLOCK == 256, "mla_scores and mla_mix tile 256 threads");

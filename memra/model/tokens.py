@@ -55,3 +55,8 @@ class NextToken:
 
     def wait(self) -> int:
         return int(self.read()[0])
+
+
+def host_id(token) -> int:
+    """An int token as it is, a NextToken's once the host has it."""
+    return token.wait() if isinstance(token, NextToken) else token

@@ -25,7 +25,7 @@ from memra.model.kda import KdaMixer
 from memra.model.mla import MlaMixer
 from memra.model.moe import DenseMlp, Moe
 from memra.model.mtp import MtpBlock
-from memra.model.tokens import NextToken, check_token_ids
+from memra.model.tokens import NextToken, check_token_ids, host_id
 
 
 class TrunkLayer:
@@ -141,21 +141,18 @@ class Glm5Model:
         taken on the device, then copied to the host behind it. `token` is an int or the
         NextToken of the step before, whose id stays where the backend keeps it, so a caller
         enqueues step n + 1 before it reads token n and the device never waits on the host."""
-        if isinstance(token, NextToken) and self.chains_device_ids:
-            tokens = token.ids  # an argmax of this model's logits: inside the vocab
-            self._check_cache(cache, "decode_next")
-            self._check_room(cache, 1)
-        else:
-            tokens = self._check_tokens([token.wait() if isinstance(token, NextToken) else token],
-                                        cache, "decode_next")
-        logits, _ = self.forward_rows(tokens, cache)
-        cache.pos += 1
-        ids = self.be.argmax(logits[:1])
+        ids = self.be.argmax(self._decode(token, cache, "decode_next")[None])
         return NextToken(ids, self.be.to_host_async(ids))
 
-    def _decode(self, token_id, cache: Cache, what: str):
-        """One decode walk -> the logits row [vocab] where the backend keeps it."""
-        tokens = self._check_tokens([token_id], cache, what)
+    def _decode(self, token, cache: Cache, what: str):
+        """One decode walk -> the logits row [vocab] where the backend keeps it. `token`: an
+        int, or a NextToken, whose id is read where it lies when the model chains device ids."""
+        if isinstance(token, NextToken) and self.chains_device_ids:
+            self._check_cache(cache, what)
+            self._check_room(cache, 1)
+            tokens = token.ids  # an argmax of this model's logits: inside the vocab
+        else:
+            tokens = self._check_tokens([host_id(token)], cache, what)
         logits, _ = self.forward_rows(tokens, cache)
         cache.pos += 1
         return logits[0]

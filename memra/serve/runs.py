@@ -19,7 +19,7 @@ import numpy as np
 
 from memra.generate import clip_tokens
 from memra.limits import spec_context
-from memra.model.tokens import NextToken
+from memra.model.tokens import NextToken, host_id
 from memra.speculative.plain import PlainSession
 from memra.speculative.session import SpecSession
 
@@ -98,7 +98,7 @@ class LogitTap:
 
     def decode_next(self, token, cache) -> NextToken:
         """decode_greedy, at once: nothing is left in flight."""
-        ids = np.array([self.decode_greedy(token.wait() if isinstance(token, NextToken) else token, cache)])
+        ids = np.array([self.decode_greedy(host_id(token), cache)])
         return NextToken(ids, lambda: ids)
 
     def verify_rows(self, token_ids, cache, tap_layers=()):

@@ -20,6 +20,8 @@ import memra
 from memra.drafters.registry import load_drafter
 from memra.errors import MemraError
 from memra.generate import generate
+from memra.model.tokens import NextToken
+from memra.speculative.sampling import SampleStreams, filtered_probs
 from memra.speculative.session import GateInstruments, SpecSession
 
 MODELS = (("mini", 0), ("small", 13))
@@ -55,6 +57,32 @@ def primed(model, prompt, max_ctx: int = MAX_CTX):
 
 def plain_tape(model, prompt, n: int) -> list[int]:
     return generate(model, prompt, n).tokens
+
+
+def hand_tape(model, prompt, n: int, sampling=None) -> list[int]:
+    """The plain tape by definition: prime, then one decode_step per token, the argmax on the
+    host or a draw on the session's stream (no PlainSession, no step ahead)."""
+    cache = model.new_cache(len(prompt) + n)
+    streams = SampleStreams(model.be, sampling.seed) if sampling else None
+    choose = (lambda z: int(np.argmax(z))) if sampling is None else \
+        (lambda z: streams.draw(filtered_probs(z, sampling)))
+    out = [choose(model.prime(prompt, cache))]
+    while len(out) < n:
+        out.append(choose(model.decode_step(out[-1], cache)))
+    return out
+
+
+def feed_next_id_over(monkeypatch, model) -> None:
+    """Red arm of the greedy step ahead: every device-fed decode_next gets the next id over
+    instead of the argmax."""
+    decode_next = type(model).decode_next
+
+    def shifted(self, token, cache):
+        if isinstance(token, NextToken):
+            token = NextToken((token.ids + 1) % self.cfg.vocab_size, token.read)
+        return decode_next(self, token, cache)
+
+    monkeypatch.setattr(type(model), "decode_next", shifted)
 
 
 # ---- plain chains: the never-drafted reference --------------------------------------------------

@@ -16,9 +16,9 @@ from memra import load_model  # noqa: E402
 from memra.drafters.registry import load_drafter  # noqa: E402
 from memra.errors import MemraError, ResidencyError  # noqa: E402
 from memra.generate import generate  # noqa: E402
-from memra.model.tokens import NextToken  # noqa: E402
 from memra.speculative.plain import PlainSession  # noqa: E402
 from memra.speculative.session import GateInstruments, SpecSession  # noqa: E402
+from tests.speculative.battery import feed_next_id_over, hand_tape  # noqa: E402
 
 K = 7
 PLEN = 28  # past the kpool dense threshold (11)
@@ -51,34 +51,15 @@ def test_w_verify_rows_equal_the_plain_decode_chain(model, t):
         assert np.array_equal(logits[r], model.decode_step(rows[r], plain)), f"row {r} of t={t}"
 
 
-def _by_hand(model, prompt, n):
-    """The plain tape by definition: prime, then decode_step per token, argmax on the host."""
-    cache = model.new_cache(len(prompt) + n)
-    out = [int(np.argmax(model.prime(prompt, cache)))]
-    while len(out) < n:
-        out.append(int(np.argmax(model.decode_step(out[-1], cache))))
-    return out
-
-
-def test_e_plain_session_steps_ahead_on_device_ids_give_the_hand_written_tape(model):
+def test_e_plain_session_steps_ahead_on_device_ids_give_the_hand_written_tape(model, monkeypatch):
     """PlainSession's greedy steps are fed the step before's argmax on the device (captured
     graphs copy it into their inputs there) and still make the decode_step tape; the red arm
     feeds the next id over instead and must leave it."""
     prompt, n = _prompt(model), 24
-    tape = _by_hand(model, prompt, n)
+    tape = hand_tape(model, prompt, n)
     assert PlainSession(model, prompt, len(prompt) + n).burst(n) == tape
-    decode_next = type(model).decode_next
-
-    def shifted(self, token, cache):
-        if isinstance(token, NextToken):
-            token = NextToken((token.ids + 1) % self.cfg.vocab_size, token.read)
-        return decode_next(self, token, cache)
-
-    type(model).decode_next = shifted
-    try:
-        assert PlainSession(model, prompt, len(prompt) + n).burst(n) != tape
-    finally:
-        type(model).decode_next = decode_next
+    feed_next_id_over(monkeypatch, model)
+    assert PlainSession(model, prompt, len(prompt) + n).burst(n) != tape
 
 
 @pytest.mark.parametrize("t", [1, 8, 15])

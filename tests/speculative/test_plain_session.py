@@ -11,27 +11,15 @@ import numpy as np
 import pytest
 
 from memra.errors import ContextOverflowError
-from memra.model.tokens import NextToken
 from memra.speculative.plain import PlainSession
-from memra.speculative.sampling import SampleStreams, SamplingParams, filtered_probs
+from memra.speculative.sampling import SamplingParams
 
-from .battery import model_fixture, prompt_ids
+from .battery import feed_next_id_over, hand_tape, model_fixture, prompt_ids
 
 model = model_fixture("numpy")
 
 N = 12
 CUTS = [[N], [1] * N, [3, 1, 5, 3], [2, 7, 1, 2]]
-
-
-def by_hand(model, prompt, n, sampling=None):
-    cache = model.new_cache(len(prompt) + n)
-    streams = SampleStreams(model.be, sampling.seed) if sampling else None
-    choose = (lambda z: int(np.argmax(z))) if sampling is None else \
-        (lambda z: streams.draw(filtered_probs(z, sampling)))
-    out = [choose(model.prime(prompt, cache))]
-    while len(out) < n:
-        out.append(choose(model.decode_step(out[-1], cache)))
-    return out
 
 
 @pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, top_p=0.9, seed=5)],
@@ -48,12 +36,12 @@ def test_bursts_cut_anywhere_give_the_hand_written_plain_tape(model, sampling, c
         ahead = sampling is None and 2 <= len(got) < N
         assert session.cache.pos == len(prompt) + len(got) - 1 + ahead
         assert (session.ahead is not None) == ahead
-    assert got == by_hand(model, prompt, N, sampling)
+    assert got == hand_tape(model, prompt, N, sampling)
 
 
 def test_eos_is_kept_and_ends_the_session(model):
     prompt = prompt_ids(model)
-    tape = by_hand(model, prompt, N)
+    tape = hand_tape(model, prompt, N)
     eos = tape[4]
     session = PlainSession(model, prompt, len(prompt) + N)
     got = session.burst(N, eos=(eos,))
@@ -69,18 +57,16 @@ def test_greedy_steps_ahead_feed_the_argmax_where_it_lies(model, monkeypatch):
     monkeypatch.setattr(type(model), "decode_next", lambda self, token, cache: (
         fed.append(type(token).__name__), decode_next(self, token, cache))[1])
     session = PlainSession(model, prompt, len(prompt) + N)
-    assert session.burst(N) == by_hand(model, prompt, N)
+    assert session.burst(N) == hand_tape(model, prompt, N)
     assert fed == ["int"] + ["NextToken"] * (N - 2)
 
 
 def test_red_arm_a_step_ahead_fed_another_id_leaves_the_tape(model, monkeypatch):
     """The tape check above can fail: steps ahead fed the next id over instead of the argmax."""
-    prompt, vocab = prompt_ids(model), model.cfg.vocab_size
-    decode_next = type(model).decode_next
-    monkeypatch.setattr(type(model), "decode_next", lambda self, token, cache: decode_next(
-        self, NextToken((token.ids + 1) % vocab, token.read) if isinstance(token, NextToken) else token, cache))
+    prompt = prompt_ids(model)
+    feed_next_id_over(monkeypatch, model)
     session = PlainSession(model, prompt, len(prompt) + N)
-    assert session.burst(N) != by_hand(model, prompt, N)
+    assert session.burst(N) != hand_tape(model, prompt, N)
 
 
 def test_a_device_id_from_a_chain_needs_room_like_a_host_id(model):
@@ -95,4 +81,4 @@ def test_a_device_id_from_a_chain_needs_room_like_a_host_id(model):
 def test_a_greedy_sampling_params_is_the_argmax(model):
     prompt = prompt_ids(model)
     session = PlainSession(model, prompt, len(prompt) + N, SamplingParams(temperature=0, seed=3))
-    assert session.burst(N) == by_hand(model, prompt, N)
+    assert session.burst(N) == hand_tape(model, prompt, N)

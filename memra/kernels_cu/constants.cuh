@@ -52,6 +52,9 @@
 #ifndef KDA_MAX_DK
 #define KDA_MAX_DK 256
 #endif
+#ifndef KDA_COLS
+#define KDA_COLS 32
+#endif
 #ifndef KDA_CONV_SPAN
 #define KDA_CONV_SPAN 64
 #endif

@@ -38,7 +38,8 @@ HC_SLOTS = 4                  # fn dots (or the sum of squares) per hc_partials 
 
 # kda.cu
 KDA_MAX_CONV = 16   # conv taps held in registers
-KDA_MAX_DK = 256    # key dim: each lane holds KDA_MAX_DK / 32 state entries
+KDA_MAX_DK = 256    # key dim: kda_recurrence_k32's threads hold 32 keys of a state column
+KDA_COLS = 32       # state columns per kda_recurrence block: 8 threads a column (MEMRA_BLOCK / 32)
 KDA_CONV_SPAN = 64  # a prompt's short_conv rows per thread (short_conv_spans)
 
 # kda_chunks.cu: a prompt's chunked delta-rule scan (prime class)
@@ -46,8 +47,8 @@ KDA_CHUNK = 16          # rows per chunk: the in-chunk solve is KDA_CHUNK x KDA_
 KDA_CHUNK_MAX_DK = 128  # key dim of the chunked scan: a scan block's warps hold 32 keys each
 
 # mla.cu
-ATT_POS = 16        # positions per mla_scores block and per position a thread holds (1 or 2)
-ATT_HEADS = 16      # heads per mla_scores block (grid z): a thread per (head, position column)
+ATT_POS = 16        # list entries per mla_scores block
+ATT_HEADS = 16      # heads per mla_scores block (grid z)
 MIX_CHANNELS = 128  # latent channels per mla_mix block (four per lane)
 MIX_SPLIT = 64      # list entries per mla_mix partial: a split size, never a count
 MIX_STEP = 16       # list entries per mla_mix shared-memory step; a split is a multiple
@@ -77,6 +78,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "HC_SLOTS": HC_SLOTS,
     "KDA_MAX_CONV": KDA_MAX_CONV,
     "KDA_MAX_DK": KDA_MAX_DK,
+    "KDA_COLS": KDA_COLS,
     "KDA_CONV_SPAN": KDA_CONV_SPAN,
     "KDA_CHUNK": KDA_CHUNK,
     "KDA_CHUNK_MAX_DK": KDA_CHUNK_MAX_DK,

@@ -7,14 +7,6 @@
 #include "common.cuh"
 
 // The wrapper asserts conv taps K <= KDA_MAX_CONV and key dim dk <= KDA_MAX_DK.
-static_assert(KDA_MAX_DK % 32 == 0, "a warp's lanes share a state column evenly");
-static_assert(MEMRA_BLOCK == 32 * WARPS_PER_BLOCK, "kda_recurrence: a block's warps are its columns");
-
-// Fixed xor-butterfly over 32 lanes, then lane 0's value to all (one bit pattern per warp).
-static __device__ __forceinline__ float kda_warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return __shfl_sync(0xffffffffu, v, 0);
-}
 
 // One row of a channel's conv: the K taps in order (tap K-1 meets xr), SiLU; hist (the K-1
 // inputs before, oldest first) moves on by one.
@@ -71,140 +63,137 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
     }
 }
 
-// The state moves between global memory and a block's shared tile of its WARPS_PER_BLOCK
-// adjacent columns, so global accesses are rows of adjacent columns (a warp reading its column
-// alone would touch a 32-byte sector per float). Column c's entry i sits at c * KDA_TILE_STRIDE
-// + i: a stride of 32 / WARPS_PER_BLOCK mod 32 banks spreads a warp's row-order reads over all
-// 32 banks, and a warp's own column is contiguous.
-static_assert(32 % WARPS_PER_BLOCK == 0, "kda tile: a warp's row pass covers whole rows");
-constexpr int KDA_TILE_STRIDE = KDA_MAX_DK + 32 / WARPS_PER_BLOCK;
-static __device__ __forceinline__ int tile_at(int c, int i) { return c * KDA_TILE_STRIDE + i; }
-
-// tile <- the block's columns 0..width-1 of the dk rows at src (row stride dv); every thread.
-static __device__ __forceinline__ void tile_from_rows(float* tile, const float* __restrict__ src,
-                                                      int dk, int dv, int width) {
-    for (int idx = threadIdx.x; idx < dk * WARPS_PER_BLOCK; idx += MEMRA_BLOCK) {
-        const int i = idx / WARPS_PER_BLOCK, c = idx % WARPS_PER_BLOCK;
-        if (c < width) tile[tile_at(c, i)] = src[i * dv + c];
-    }
-    __syncthreads();
-}
-
-// Each active warp's column s (lane l holds entry l + 32 m) -> the tile -> dst's dk rows of the
-// block's width columns (row stride dv). Every thread calls it: it holds two block barriers, the
-// second so the tile is read before anyone overwrites it.
-template <int SLOTS>
-static __device__ __forceinline__ void columns_to_rows(float* tile, const float* s, float* __restrict__ dst,
-                                                       int dk, int dv, int width, bool active) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-    for (int m = 0; m < SLOTS; ++m) {
-        const int i = lane + 32 * m;
-        if (active && i < dk) tile[tile_at(warp, i)] = s[m];
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < dk * WARPS_PER_BLOCK; idx += MEMRA_BLOCK) {
-        const int i = idx / WARPS_PER_BLOCK, c = idx % WARPS_PER_BLOCK;
-        if (c < width) dst[i * dv + c] = tile[tile_at(c, i)];
-    }
-    __syncthreads();
-}
-
 // Delta rule over the t rows in order, per head h:
 //   S <- S * exp(g)[:, None];  S += k (x) beta (v - S^T k);  o = S^T q.
 // q, k, g [t, Hk, dk]; v [t, Hk, dv]; beta [t, Hk]; state [Hk, dk, dv] float32 in place;
-// out [t, Hk, dv]. Grid (Hk, ceil(dv / WARPS_PER_BLOCK)): one warp owns one value column j of S,
-// lane l holding S[l + 32 m, j]. Both dk-reductions: per lane ascending m, then the butterfly.
+// out [t, Hk, dv]. Grid (Hk, ceil(dv / KDA_COLS)), block MEMRA_BLOCK: thread (column c = tid / 8,
+// key lane kq = tid % 8) holds column j0 + c of S at the keys of its KPT slots: slot m is key
+// 16 (8 (m / 16) + kq) + m % 16 (16-key blocks dealt to the 8 key lanes in turn), so a column is
+// 8 adjacent lanes. Both dk-reductions: each thread over its slots in order, then an xor tree
+// over the column's lanes (offsets 4, 2, 1: the same bits in all eight). Keys past dk are idle
+// slots, so kda_recurrence_k32 does a dk <= 128 walk's arithmetic exactly as k16 does.
+// The block stages STAGE rows' q, k, exp(g), v and beta in shared memory at a time: exp(g) is
+// taken once per key, not once per state entry, and a row's compute waits on no global load.
 // rows (may be null): S after row r < t - 1 is written at rows + r * row_stride ([Hk, dk, dv]),
 // so a rollback to the first r + 1 rows is a copy instead of a replay.
-// SLOTS: S entries each lane holds (ceil(dk / 32) rounded up to a kernel below); more slots
-// than dk needs only idle, so every instantiation does a given dk's arithmetic alike.
-template <int SLOTS>
+constexpr int KDA_KEY_LANES = MEMRA_BLOCK / KDA_COLS;
+static_assert(KDA_KEY_LANES == 8, "a column's key lanes: 8 adjacent lanes, a 3-level xor tree");
+static_assert(KDA_MAX_DK <= KDA_KEY_LANES * 32, "kda_recurrence_k32 holds 32 keys a thread");
+constexpr int KDA_KEY_BLOCK = 16;  // keys dealt to a key lane at a time
+
+// The key of slot m of key lane kq.
+static __device__ __forceinline__ int slot_key(int m, int kq) {
+    return KDA_KEY_BLOCK * (KDA_KEY_LANES * (m / KDA_KEY_BLOCK) + kq) + m % KDA_KEY_BLOCK;
+}
+
+static __device__ __forceinline__ float key_lanes_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v;
+}
+
+template <int KPT, int STAGE>
 static __device__ void kda_rows(const float* __restrict__ q, const float* __restrict__ k,
                                 const float* __restrict__ v, const float* __restrict__ g,
                                 const float* __restrict__ beta, float* __restrict__ state,
                                 float* __restrict__ out, int t, int hk, int dk, int dv,
                                 float* __restrict__ rows, long long row_stride) {
-    __shared__ float tile[WARPS_PER_BLOCK * KDA_TILE_STRIDE];
-    const int h = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int j0 = blockIdx.y * WARPS_PER_BLOCK, j = j0 + warp, width = min(WARPS_PER_BLOCK, dv - j0);
-    // a warp past dv holds zeros and computes nothing, but joins every block barrier
+    // a staged key row: each key lane's KPT keys then 4 pad floats; LANE / 4 odd puts the 8
+    // lanes' float4 reads of a row in 8 different groups of 4 banks (no conflicts)
+    constexpr int LANE = KPT + 4, ROW = KDA_KEY_LANES * LANE;
+    static_assert(KPT % KDA_KEY_BLOCK == 0 && (LANE / 4) % 2 == 1, "float4 reads, conflict-free across the key lanes");
+    __shared__ __align__(16) float sq[STAGE][ROW], sk[STAGE][ROW], se[STAGE][ROW];
+    __shared__ float sv[STAGE][KDA_COLS], sb[STAGE];
+    const int h = blockIdx.x, c = threadIdx.x / KDA_KEY_LANES, kq = threadIdx.x % KDA_KEY_LANES;
+    const int j0 = blockIdx.y * KDA_COLS, j = j0 + c;
     const bool active = j < dv, snapping = rows != nullptr && t > 1;
-    const long long head = (long long)h * dk * dv + j0;
-    // row r + 1's inputs load while row r computes (the same arithmetic, in the same order)
-    float s[SLOTS], gn[SLOTS], kn[SLOTS], qn[SLOTS], vn = 0.0f, bn = 0.0f;
-    auto fetch = [&](int r) {
-        if (!active || r >= t) return;
-        const long long kb = ((long long)r * hk + h) * dk;
+    const long long at = (long long)h * dk * dv + j;  // S[0, j]
+    float s[KPT];
 #pragma unroll
-        for (int m = 0; m < SLOTS; ++m) {
-            const int i = lane + 32 * m;
-            if (i < dk) {
-                gn[m] = g[kb + i];
-                kn[m] = k[kb + i];
-                qn[m] = q[kb + i];
-            }
+    for (int m = 0; m < KPT; ++m) s[m] = active && slot_key(m, kq) < dk ? state[at + (long long)slot_key(m, kq) * dv] : 0.0f;
+    for (int r0 = 0; r0 < t; r0 += STAGE) {
+        const int n = min(STAGE, t - r0);
+        __syncthreads();  // the previous stage is read
+        for (int idx = threadIdx.x; idx < n * KDA_KEY_LANES * KPT; idx += MEMRA_BLOCK) {
+            const int r = idx / (KDA_KEY_LANES * KPT), i = idx % (KDA_KEY_LANES * KPT), b = i / KDA_KEY_BLOCK;
+            const int slot = b % KDA_KEY_LANES * LANE + b / KDA_KEY_LANES * KDA_KEY_BLOCK + i % KDA_KEY_BLOCK;
+            const long long src = ((long long)(r0 + r) * hk + h) * dk + i;
+            sq[r][slot] = i < dk ? q[src] : 0.0f;
+            sk[r][slot] = i < dk ? k[src] : 0.0f;
+            se[r][slot] = i < dk ? expf(g[src]) : 0.0f;
         }
-        vn = v[((long long)r * hk + h) * dv + j];
-        bn = beta[(long long)r * hk + h];
-    };
-    fetch(0);  // in flight while the state loads
-    tile_from_rows(tile, state + head, dk, dv, width);
+        for (int idx = threadIdx.x; idx < n * KDA_COLS; idx += MEMRA_BLOCK) {
+            const int r = idx / KDA_COLS, cc = idx % KDA_COLS;
+            sv[r][cc] = j0 + cc < dv ? v[((long long)(r0 + r) * hk + h) * dv + j0 + cc] : 0.0f;
+        }
+        if (threadIdx.x < n) sb[threadIdx.x] = beta[(long long)(r0 + threadIdx.x) * hk + h];
+        __syncthreads();
+        for (int r = 0; r < n; ++r) {
+            const float4* e4 = reinterpret_cast<const float4*>(&se[r][kq * LANE]);
+            const float4* k4 = reinterpret_cast<const float4*>(&sk[r][kq * LANE]);
+            const float4* q4 = reinterpret_cast<const float4*>(&sq[r][kq * LANE]);
+            float kk[KPT], ks = 0.0f;
 #pragma unroll
-    for (int m = 0; m < SLOTS; ++m) {
-        const int i = lane + 32 * m;
-        s[m] = active && i < dk ? tile[tile_at(warp, i)] : 0.0f;
-    }
-    for (int r = 0; r < t; ++r) {
-        if (active) {
-            float gg[SLOTS], kk[SLOTS], qq[SLOTS];
+            for (int m4 = 0; m4 < KPT / 4; ++m4) {
+                const float4 e = e4[m4], kv = k4[m4];
+                const float ev[4] = {e.x, e.y, e.z, e.w}, kvv[4] = {kv.x, kv.y, kv.z, kv.w};
 #pragma unroll
-            for (int m = 0; m < SLOTS; ++m) {
-                gg[m] = gn[m];
-                kk[m] = kn[m];
-                qq[m] = qn[m];
-            }
-            const float vr = vn, br = bn;
-            fetch(r + 1);
-            float ks = 0.0f;
-#pragma unroll
-            for (int m = 0; m < SLOTS; ++m) {
-                const int i = lane + 32 * m;
-                if (i < dk) {
-                    s[m] = s[m] * expf(gg[m]);
-                    ks += kk[m] * s[m];
+                for (int u = 0; u < 4; ++u) {
+                    const int m = 4 * m4 + u;
+                    kk[m] = kvv[u];
+                    if (slot_key(m, kq) < dk) {
+                        s[m] = s[m] * ev[u];
+                        ks += kk[m] * s[m];
+                    }
                 }
             }
-            ks = kda_warp_sum(ks);
-            const float delta = (vr - ks) * br;
+            ks = key_lanes_sum(ks);
+            const float delta = (sv[r][c] - ks) * sb[r];
             float qs = 0.0f;
 #pragma unroll
-            for (int m = 0; m < SLOTS; ++m) {
-                const int i = lane + 32 * m;
-                if (i < dk) {
-                    s[m] = s[m] + kk[m] * delta;
-                    qs += qq[m] * s[m];
+            for (int m4 = 0; m4 < KPT / 4; ++m4) {
+                const float4 qv = q4[m4];
+                const float qvv[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int m = 4 * m4 + u;
+                    if (slot_key(m, kq) < dk) {
+                        s[m] = s[m] + kk[m] * delta;
+                        qs += qvv[u] * s[m];
+                    }
                 }
             }
-            qs = kda_warp_sum(qs);
-            if (lane == 0) out[((long long)r * hk + h) * dv + j] = qs;
+            qs = key_lanes_sum(qs);
+            const int row = r0 + r;
+            if (active && kq == 0) out[((long long)row * hk + h) * dv + j] = qs;
+            if (snapping && active && row < t - 1) {
+                float* snap = rows + row * row_stride + at;
+#pragma unroll
+                for (int m = 0; m < KPT; ++m)
+                    if (slot_key(m, kq) < dk) snap[(long long)slot_key(m, kq) * dv] = s[m];
+            }
         }
-        if (snapping && r < t - 1) columns_to_rows<SLOTS>(tile, s, rows + r * row_stride + head, dk, dv, width, active);
     }
-    columns_to_rows<SLOTS>(tile, s, state + head, dk, dv, width, active);
+    if (active) {
+#pragma unroll
+        for (int m = 0; m < KPT; ++m)
+            if (slot_key(m, kq) < dk) state[at + (long long)slot_key(m, kq) * dv] = s[m];
+    }
 }
 
-#define KDA_RECURRENCE(NAME, SLOTS)                                                         \
+#define KDA_RECURRENCE(NAME, KPT, STAGE)                                                              \
     extern "C" __global__ void NAME(const float* __restrict__ q, const float* __restrict__ k,         \
                                     const float* __restrict__ v, const float* __restrict__ g,         \
                                     const float* __restrict__ beta, float* __restrict__ state,        \
                                     float* __restrict__ out, int t, int hk, int dk, int dv,           \
                                     float* __restrict__ rows, long long row_stride) {                 \
         after_predecessor();                                                                          \
-        kda_rows<SLOTS>(q, k, v, g, beta, state, out, t, hk, dk, dv, rows, row_stride);    \
+        kda_rows<KPT, STAGE>(q, k, v, g, beta, state, out, t, hk, dk, dv, rows, row_stride);          \
     }
-KDA_RECURRENCE(kda_recurrence_s4, 4)             // dk <= 128 (every KDA checkpoint so far)
-KDA_RECURRENCE(kda_recurrence, KDA_MAX_DK / 32)  // up to KDA_MAX_DK
+KDA_RECURRENCE(kda_recurrence_k16, 16, 16)  // dk <= 128 (every KDA checkpoint so far): a verify walk in one stage
+KDA_RECURRENCE(kda_recurrence_k32, 32, 8)   // up to KDA_MAX_DK; shared memory holds 8 rows of 256 keys
+
 // short_conv for a prompt (prime class): the rows split into spans of KDA_CONV_SPAN, a thread
 // per (channel, span), each output's taps in the same order as short_conv (so the same bits).
 // The ring is only read: the wrapper copies the last K-1 rows of x into it afterwards.

@@ -120,148 +120,116 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
     }
 }
 
-// Absorbed MLA attention in four launches; a block serves many heads of its row, so a latent
+// Absorbed MLA attention in three launches; a block serves many heads of its row, so a latent
 // row is read once per block of positions and ATT_HEADS heads (scores) or of channels (mix, all
-// heads), never per head:
-//   mla_scores:      s[r, h, j] = scale * (q[r, h] . c_{pos[r, j]}), the dot over R in order;
-//   mla_softmax:     p[r, h, :] = softmax over the row's valid entries (fixed-tree max and sum);
-//   mla_mix:         part[r, s, h, k] = sum of p[r, h, j] c_{pos[r, j]}[k] over the split's
-//                    `split` entries j (the wrapper passes MIX_SPLIT), ascending;
-//   mla_mix_combine: o[r, h, k] = sum of part[r, s, h, k] over the splits s, ascending.
+// heads), never per head. The softmax is split with the mix (a split's own max, rescaled when the
+// splits combine), so no launch waits on a whole row's scores:
+//   mla_scores:      s[r, h, j] = scale * (q[r, h] . c_{pos[r, j]}), the dot over R in 8 fixed
+//                    channel slices, added in order;
+//   mla_mix:         per split of `split` entries (the wrapper passes MIX_SPLIT): m = the max of
+//                    the split's valid scores, l = sum of e_j = exp(s_j - m) and part[k] = sum of
+//                    e_j c_{pos[r, j]}[k], each over j ascending;
+//   mla_mix_combine: o[r, h, k] = sum_s w_s part_s[k] / sum_s w_s l_s with w_s = exp(m_s - M),
+//                    M the max of the m_s, both sums over the splits s ascending.
 // Each value's order depends on R, W and the row's own list only, never on t, the tile or the grid.
-// In-channels staged per mla_scores step; each step waits on its loads once, so one position a
-// thread takes 128 (R = 512 in 4 waits). 256 needs so many registers that one block fits an SM,
-// which loses on full lists; two positions a thread keep 64 for the same reason.
-template <int PT>
-__host__ __device__ constexpr int score_kt() { return PT == 1 ? 128 : 64; }
 static_assert(MEMRA_BLOCK == 256, "mla_scores and mla_mix tile 256 threads");
-static_assert(ATT_HEADS * ATT_POS == MEMRA_BLOCK, "mla_scores: a thread per (head, position column)");
+static_assert(ATT_HEADS == 16 && ATT_POS == 16, "mla_scores: 8 warps of 32 lanes, 2 heads x 4 positions a lane");
 static_assert(MIX_CHANNELS == 128 && MIX_SPLIT % MIX_STEP == 0, "mla_mix: 4 channels per lane");
 
-// One mla_scores step's loads: q of heads h0.. and the tile's latent rows, channels k0..k0+KT.
-template <int PT, int KT = score_kt<PT>()>
-struct ScoreLoads {
-    float q[ATT_HEADS * KT / MEMRA_BLOCK];
-    float c[ATT_POS * PT * KT / MEMRA_BLOCK];
+// mla_scores stages SCORE_KT in-channels a step; warp w takes channels 16 w .. 16 w + 15 of each.
+constexpr int SCORE_KT = 128, SCORE_WARP_KT = SCORE_KT / WARPS_PER_BLOCK;
+constexpr int SCORE_ROW = 20;  // a staged channel's 16 heads or positions, padded: 16-byte rows, fewer clashes
 
-    __device__ void load(const float* qr, const float* latent, const int* ps, int H, int R, int h0,
-                         int k0) {
+// One mla_scores step's loads: q of heads h0.. and the tile's latent rows, channels k0..k0+SCORE_KT
+// (entry e: row e / SCORE_KT, channel e % SCORE_KT, so a warp reads 128 contiguous bytes).
+struct ScoreLoads {
+    static constexpr int N = ATT_HEADS * SCORE_KT / MEMRA_BLOCK;
+    static_assert(ATT_POS * SCORE_KT / MEMRA_BLOCK == N, "as many latent loads as q loads");
+    float q[N], c[N];
+
+    __device__ void load(const float* qr, const float* latent, const int* ps, int H, int R, int h0, int k0) {
 #pragma unroll
-        for (int i = 0; i < ATT_HEADS * KT / MEMRA_BLOCK; ++i) {
-            const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / KT, k = k0 + e % KT;
-            q[i] = h < H && k < R ? qr[(long long)h * R + k] : 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < ATT_POS * PT * KT / MEMRA_BLOCK; ++i) {
-            const int e = threadIdx.x + i * MEMRA_BLOCK, pos = ps[e / KT], k = k0 + e % KT;
-            c[i] = pos >= 0 && k < R ? latent[(long long)pos * R + k] : 0.0f;
+        for (int i = 0; i < N; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK, row = e / SCORE_KT, k = k0 + e % SCORE_KT;
+            q[i] = h0 + row < H && k < R ? qr[(long long)(h0 + row) * R + k] : 0.0f;
+            c[i] = ps[row] >= 0 && k < R ? latent[(long long)ps[row] * R + k] : 0.0f;
         }
     }
 };
 
-// grid (ceil(W / (ATT_POS * PT)), t, ceil(H / ATT_HEADS)), block MEMRA_BLOCK. Thread
-// (h = tid / ATT_POS, pl = tid % ATT_POS) holds head h0 + h of the block's heads and positions
-// pl + ATT_POS i (i < PT) of the tile. PT and the head split only tile: every score is the same
-// serial dot, so they may follow t. A block takes ATT_HEADS of the row's heads (a quarter of
-// 64), so the blocks of the selected positions spread over the SMs instead of each running every
-// head in turn; a tile with no selected position (all -1) returns at once.
-template <int PT>
-__device__ void mla_scores_tile(const float* q, const float* latent, const int* positions,
-                                float* scores, int H, int R, int W, float scale) {
-    constexpr int SP = ATT_POS * PT, KT = score_kt<PT>();
-    __shared__ float qs[KT][ATT_HEADS + 1];  // +1: the transposing stores spread
-    __shared__ float cs[KT][SP + 1];
-    __shared__ int ps[SP];
-    const int r = blockIdx.y, j0 = blockIdx.x * SP, h0 = blockIdx.z * ATT_HEADS;
-    const int h = threadIdx.x / ATT_POS, pl = threadIdx.x % ATT_POS;
+// grid (ceil(W / ATT_POS), t, ceil(H / ATT_HEADS)), block MEMRA_BLOCK: the scores of ATT_HEADS
+// heads at ATT_POS list entries. Lane (hp = lane / 4, pq = lane % 4) of warp w sums heads 2 hp,
+// 2 hp + 1 times positions 4 pq .. 4 pq + 3 over its channels (warp w's 16 of each step, steps in
+// order), so a channel costs a lane two shared loads for eight products; the block then adds its 8
+// warps' partials in warp order. The order depends on R only. A tile with no selected position
+// (all -1) returns at once.
+extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 3) mla_scores(const float* q, const float* latent, const int* positions,
+                                      float* scores, int H, int R, int W, float scale) {
+    after_predecessor();
+    __shared__ __align__(16) float qs[SCORE_KT][SCORE_ROW], cs[SCORE_KT][SCORE_ROW];
+    __shared__ float part[WARPS_PER_BLOCK][ATT_HEADS * ATT_POS];
+    __shared__ int ps[ATT_POS];
+    const int r = blockIdx.y, j0 = blockIdx.x * ATT_POS, h0 = blockIdx.z * ATT_HEADS;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, hp = lane / 4, pq = lane % 4;
     const int* pos = positions + (long long)r * W;
     const float* qr = q + (long long)r * H * R;
     bool any = false;
-    if (threadIdx.x < SP) {
+    if (threadIdx.x < ATT_POS) {
         ps[threadIdx.x] = j0 + (int)threadIdx.x < W ? pos[j0 + threadIdx.x] : -1;
         any = ps[threadIdx.x] >= 0;
     }
     if (!__syncthreads_or(any)) return;  // uniform: the whole block sees the same answer
-    ScoreLoads<PT> next;
-    float acc[PT];
-#pragma unroll
-    for (int i = 0; i < PT; ++i) acc[i] = 0.0f;
+    ScoreLoads next;
+    float acc[2][4] = {};
     next.load(qr, latent, ps, H, R, h0, 0);
-    for (int k0 = 0; k0 < R; k0 += KT) {
+    for (int k0 = 0; k0 < R; k0 += SCORE_KT) {
         __syncthreads();  // the previous step is done with the tiles
 #pragma unroll
-        for (int i = 0; i < ATT_HEADS * KT / MEMRA_BLOCK; ++i) {
+        for (int i = 0; i < ScoreLoads::N; ++i) {
             const int e = threadIdx.x + i * MEMRA_BLOCK;
-            qs[e % KT][e / KT] = next.q[i];
-        }
-#pragma unroll
-        for (int i = 0; i < SP * KT / MEMRA_BLOCK; ++i) {
-            const int e = threadIdx.x + i * MEMRA_BLOCK;
-            cs[e % KT][e / KT] = next.c[i];
+            qs[e % SCORE_KT][e / SCORE_KT] = next.q[i];
+            cs[e % SCORE_KT][e / SCORE_KT] = next.c[i];
         }
         __syncthreads();
-        if (k0 + KT < R) next.load(qr, latent, ps, H, R, h0, k0 + KT);  // in flight meanwhile
-        const int kn = min(KT, R - k0);
-        for (int k = 0; k < kn; ++k) {
-            const float qv = qs[k][h];
+        if (k0 + SCORE_KT < R) next.load(qr, latent, ps, H, R, h0, k0 + SCORE_KT);  // in flight meanwhile
 #pragma unroll
-            for (int i = 0; i < PT; ++i) acc[i] = acc[i] + qv * cs[k][pl + ATT_POS * i];
+        for (int kk = 0; kk < SCORE_WARP_KT; ++kk) {
+            const int k = warp * SCORE_WARP_KT + kk;
+            const float2 qv = *reinterpret_cast<const float2*>(&qs[k][2 * hp]);
+            const float4 cv = *reinterpret_cast<const float4*>(&cs[k][4 * pq]);
+            const float qa[2] = {qv.x, qv.y}, ca[4] = {cv.x, cv.y, cv.z, cv.w};
+#pragma unroll
+            for (int a = 0; a < 2; ++a)
+#pragma unroll
+                for (int b = 0; b < 4; ++b) acc[a][b] = acc[a][b] + qa[a] * ca[b];
         }
     }
 #pragma unroll
-    for (int i = 0; i < PT; ++i) {
-        const int jj = pl + ATT_POS * i;
-        if (h0 + h < H && ps[jj] >= 0) scores[((long long)r * H + h0 + h) * W + j0 + jj] = acc[i] * scale;
-    }
-}
-
-extern "C" __global__ void mla_scores_p1(const float* q, const float* latent, const int* positions,
-                                         float* scores, int H, int R, int W, float scale) {
-    after_predecessor();
-    mla_scores_tile<1>(q, latent, positions, scores, H, R, W, scale);
-}
-
-extern "C" __global__ void mla_scores_p2(const float* q, const float* latent, const int* positions,
-                                         float* scores, int H, int R, int W, float scale) {
-    after_predecessor();
-    mla_scores_tile<2>(q, latent, positions, scores, H, R, W, scale);
-}
-
-// grid (t * H), block MEMRA_BLOCK: scores -> probabilities in place; invalid entries get 0.
-extern "C" __global__ void mla_softmax(float* scores, const int* positions, int H, int W) {
-    after_predecessor();
-    __shared__ float shm[MEMRA_BLOCK];
-    const int* pos = positions + (long long)(blockIdx.x / H) * W;
-    float* s = scores + (long long)blockIdx.x * W;
-    float mx = neg_inf();
-    for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK)
-        if (pos[j] >= 0) mx = fmaxf(mx, s[j]);
-    mx = block_max(mx, shm);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK) {
-        const float e = pos[j] >= 0 ? expf(s[j] - mx) : 0.0f;
-        s[j] = e;
-        sum += e;
-    }
-    sum = block_sum(sum, shm);
-    for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK) s[j] = s[j] / sum;
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) part[warp][(2 * hp + a) * ATT_POS + 4 * pq + b] = acc[a][b];
+    __syncthreads();
+    const int h = threadIdx.x / ATT_POS, jj = threadIdx.x % ATT_POS;
+    float sum = part[0][threadIdx.x];
+    for (int w = 1; w < WARPS_PER_BLOCK; ++w) sum += part[w][threadIdx.x];
+    if (h0 + h < H && ps[jj] >= 0) scores[((long long)r * H + h0 + h) * W + j0 + jj] = sum * scale;
 }
 
 #define MIX_HEADS 64  // heads per mla_mix pass: 8 warps of 8 heads (mla_scores splits its own by ATT_HEADS)
 static_assert(MIX_HEADS == 8 * (MEMRA_BLOCK / 32), "mla_mix: a warp holds 8 heads of the pass");
 
-// One mla_mix step's loads: the probabilities of heads h0.. and the latent channels kb.. of
-// entries j0..j0+MIX_STEP (entry e of the split at ps[e]).
+// One mla_mix step's loads: the scores of heads h0.. (-inf at an entry with no position: its
+// weight is 0) and the latent channels kb.. of entries j0..j0+MIX_STEP (entry e of the split at ps[e]).
 struct MixLoads {
     float p[MIX_HEADS * MIX_STEP / MEMRA_BLOCK];
     float c[MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK];
 
-    __device__ void load(const float* pr, const float* latent, const int* ps, int H, int R, int W,
+    __device__ void load(const float* sr, const float* latent, const int* ps, int H, int R, int W,
                          int h0, int kb, int j0, int e0) {
 #pragma unroll
         for (int i = 0; i < MIX_HEADS * MIX_STEP / MEMRA_BLOCK; ++i) {
             const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / MIX_STEP, j = j0 + e % MIX_STEP;
-            p[i] = h < H && j < W ? pr[(long long)h * W + j] : 0.0f;
+            p[i] = h < H && j < W && ps[e0 + e % MIX_STEP] >= 0 ? sr[(long long)h * W + j] : neg_inf();
         }
 #pragma unroll
         for (int i = 0; i < MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK; ++i) {
@@ -272,22 +240,65 @@ struct MixLoads {
     }
 };
 
-// grid (ceil(R / MIX_CHANNELS), ceil(W / split), t), block MEMRA_BLOCK: the partial sums of
-// split s = blockIdx.y over its entries in order; split <= MIX_SPLIT, a multiple of MIX_STEP.
-// Thread (warp w, lane l) holds heads 8 w .. 8 w + 7 of the pass and channels kb + 4 l .. + 3.
-extern "C" __global__ void mla_mix(const float* probs, const float* latent, const int* positions,
-                                   float* part, int H, int R, int W, int split) {
+// A score's weight in its split: exp(s - m); 0 for an entry with no position (-inf).
+static __device__ __forceinline__ float split_weight(float s, float m) {
+    return s == neg_inf() ? 0.0f : expf(s - m);
+}
+
+// The split's max m and weight sum l of heads h0 + tid / 4 (MIX_HEADS of them), entries js..js+jn
+// of row scores sr: the head's 4 threads take entries tid % 4, + 4, ... each ascending, then an
+// xor tree over the 4 (the same bits in each).
+static __device__ void split_stats(const float* sr, const int* ps, int H, int W, int h0, int js, int jn,
+                                   float* smax, float* ssum) {
+    const int h = h0 + threadIdx.x / 4, part = threadIdx.x % 4;
+    const float* row = sr + (long long)min(h, H - 1) * W + js;
+    float m = neg_inf();
+    for (int j = part; j < jn; j += 4)
+        if (ps[j] >= 0) m = fmaxf(m, row[j]);
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    float l = 0.0f;
+    for (int j = part; j < jn; j += 4) l += split_weight(ps[j] >= 0 ? row[j] : neg_inf(), m);
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (part == 0) {
+        smax[threadIdx.x / 4] = m;
+        ssum[threadIdx.x / 4] = l;
+    }
+}
+
+// grid (ceil(R / MIX_CHANNELS), ceil(W / split), t), block MEMRA_BLOCK: split s = blockIdx.y's
+// part over its entries in order, and (blocks of channel 0) its stats [t, nsplit, H, 2] = (m, l);
+// a split with no selected entry writes m = -inf and no part.
+// split <= MIX_SPLIT, a multiple of MIX_STEP. Thread (warp w, lane l) holds heads 8 w .. 8 w + 7
+// of the pass and channels kb + 4 l .. + 3.
+extern "C" __global__ void mla_mix(const float* scores, const float* latent, const int* positions,
+                                   float* part, float* stats, int H, int R, int W, int split) {
     after_predecessor();
+    static_assert(MIX_HEADS * 4 == MEMRA_BLOCK, "split_stats: 4 threads a head");
     __shared__ __align__(16) float cs[MIX_STEP][MIX_CHANNELS];
     __shared__ __align__(16) float pt[MIX_STEP][MIX_HEADS + 4];  // +4: float4 rows, fewer clashes
+    __shared__ float smax[MIX_HEADS], ssum[MIX_HEADS];
     __shared__ int ps[MIX_SPLIT];
     const int r = blockIdx.z, s = blockIdx.y, kb = blockIdx.x * MIX_CHANNELS;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, js = s * split;
-    const int jn = min(split, W - js);
+    const int jn = min(split, W - js), nsplit = (W + split - 1) / split;
     const int* pos = positions + (long long)r * W;
-    const float* pr = probs + (long long)r * H * W;
-    if (threadIdx.x < MIX_SPLIT) ps[threadIdx.x] = (int)threadIdx.x < jn ? pos[js + threadIdx.x] : -1;
-    __syncthreads();
+    const float* sr = scores + (long long)r * H * W;
+    bool any = false;
+    if (threadIdx.x < MIX_SPLIT) {
+        ps[threadIdx.x] = (int)threadIdx.x < jn ? pos[js + threadIdx.x] : -1;
+        any = ps[threadIdx.x] >= 0;
+    }
+    if (!__syncthreads_or(any)) {  // no selected entry (a short context's tail): the combine skips it
+        if (blockIdx.x == 0)
+            for (int h = threadIdx.x; h < H; h += MEMRA_BLOCK) {
+                float* st = stats + (((long long)r * nsplit + s) * H + h) * 2;
+                st[0] = neg_inf();
+                st[1] = 0.0f;
+            }
+        return;
+    }
     MixLoads next;
     for (int h0 = 0; h0 < H; h0 += MIX_HEADS) {
         float acc[8][4];
@@ -295,13 +306,15 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
         for (int a = 0; a < 8; ++a)
 #pragma unroll
             for (int b = 0; b < 4; ++b) acc[a][b] = 0.0f;
-        next.load(pr, latent, ps, H, R, W, h0, kb, js, 0);
+        next.load(sr, latent, ps, H, R, W, h0, kb, js, 0);
+        __syncthreads();  // the previous pass is done with smax
+        split_stats(sr, ps, H, W, h0, js, jn, smax, ssum);
         for (int e0 = 0; e0 < jn; e0 += MIX_STEP) {
-            __syncthreads();  // the previous step is done with the tiles
+            __syncthreads();  // the previous step is done with the tiles; smax is written
 #pragma unroll
             for (int i = 0; i < MIX_HEADS * MIX_STEP / MEMRA_BLOCK; ++i) {
                 const int e = threadIdx.x + i * MEMRA_BLOCK;
-                pt[e % MIX_STEP][e / MIX_STEP] = next.p[i];
+                pt[e % MIX_STEP][e / MIX_STEP] = split_weight(next.p[i], smax[e / MIX_STEP]);
             }
 #pragma unroll
             for (int i = 0; i < MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK; ++i) {
@@ -310,7 +323,7 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
             }
             __syncthreads();
             const int e1 = e0 + MIX_STEP;
-            if (e1 < jn) next.load(pr, latent, ps, H, R, W, h0, kb, js + e1, e1);  // in flight meanwhile
+            if (e1 < jn) next.load(sr, latent, ps, H, R, W, h0, kb, js + e1, e1);  // in flight meanwhile
             const int en = min(MIX_STEP, jn - e0);
             for (int e = 0; e < en; ++e) {
                 const float4 c = *reinterpret_cast<const float4*>(&cs[e][4 * lane]);
@@ -326,7 +339,6 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
                 }
             }
         }
-        const int nsplit = (W + split - 1) / split;
 #pragma unroll
         for (int a = 0; a < 8; ++a) {
             const int h = h0 + 8 * warp + a;
@@ -336,19 +348,35 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
             for (int b = 0; b < 4; ++b)
                 if (kb + 4 * lane + b < R) o[kb + 4 * lane + b] = acc[a][b];
         }
+        if (blockIdx.x == 0 && threadIdx.x < MIX_HEADS && h0 + (int)threadIdx.x < H) {
+            float* st = stats + (((long long)r * nsplit + s) * H + h0 + threadIdx.x) * 2;
+            st[0] = smax[threadIdx.x];
+            st[1] = ssum[threadIdx.x];
+        }
     }
 }
 
-// grid blocks_of(t * H * R), thread = one output: the split partials added in split order.
-extern "C" __global__ void mla_mix_combine(const float* part, float* out, int t, int H, int R,
-                                           int nsplit) {
+// grid blocks_of(t * H * R), thread = one output: the split parts rescaled to the row's max and
+// added in split order, over the weight sums added in the same order; a split with no selected
+// entry (m = -inf) is skipped.
+extern "C" __global__ void mla_mix_combine(const float* part, const float* stats, float* out, int t, int H,
+                                           int R, int nsplit) {
     after_predecessor();
     const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long hr = (long long)H * R;
     if (id >= t * hr) return;
-    const long long r = id / hr;
+    const long long r = id / hr, h = (id - r * hr) / R;
     const float* p = part + r * nsplit * hr + (id - r * hr);
-    float sum = p[0];
-    for (int s = 1; s < nsplit; ++s) sum += p[s * hr];
-    out[id] = sum;
+    const float* st = stats + (r * nsplit * H + h) * 2;  // split s at st[2 H s]
+    float mx = neg_inf();
+    for (int s = 0; s < nsplit; ++s) mx = fmaxf(mx, st[2LL * H * s]);
+    float sum = 0.0f, l = 0.0f;
+    for (int s = 0; s < nsplit; ++s) {
+        const float m = st[2LL * H * s];
+        if (m == neg_inf()) continue;  // no selected entry: its part was never written
+        const float w = expf(m - mx);
+        sum += w * p[s * hr];
+        l += w * st[2LL * H * s + 1];
+    }
+    out[id] = sum / l;
 }

@@ -132,12 +132,12 @@ def test_strided_read_only_inputs_are_accepted():
 
 def _launch_recurrence(name, rows, state, dv):
     """One raw launch of a kda_recurrence kernel (no snapshots) -> (out, state after)."""
-    from memra.backend.cuda.runtime import BLOCK, i32, launch
-    from memra.kernels_cu.constants import WARPS_PER_BLOCK
+    from memra.backend.cuda.runtime import BLOCK, blocks_of, i32, launch
+    from memra.kernels_cu.constants import KDA_COLS
 
     (t, hk, dk), state = rows["q"].shape, cp.asarray(state)
     out = cp.empty((t, hk, dv), cp.float32)
-    launch("kda", name, (hk, (dv + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK), (BLOCK,),
+    launch("kda", name, (hk, blocks_of(dv, KDA_COLS)), (BLOCK,),
            (*(cp.asarray(rows[n]) for n in ("q", "k", "v", "g", "beta")), state, out,
             i32(t), i32(hk), i32(dk), i32(dv), np.uint64(0), np.int64(0)))
     return cp.asnumpy(out), cp.asnumpy(state)
@@ -145,20 +145,20 @@ def _launch_recurrence(name, rows, state, dv):
 
 @pytest.mark.parametrize("dk, dv", [(128, 128), (40, 24), (40, 20)])
 def test_every_recurrence_kernel_does_the_same_arithmetic(dk, dv):
-    """dk <= 128 takes kda_recurrence_s4 (fewer registers): the kernel for KDA_MAX_DK with idle
-    slots gives the same bytes, outputs and state, over a verify walk's VERIFY_CAP rows (a longer
+    """dk <= 128 takes kda_recurrence_k16 (16 keys a thread): the kernel for KDA_MAX_DK, whose
+    second 16-key block of every thread is idle there, gives the same bytes, outputs and state, over a verify walk's VERIFY_CAP rows (a longer
     prompt takes the chunked scan: test_cuda_kda_chunks.py)."""
     from memra.limits import VERIFY_CAP
 
     rows, shared = _kda_recurrence(2, dk, dv)[0](np.random.default_rng(dk), VERIFY_CAP)
-    want = _launch_recurrence("kda_recurrence", rows, shared["state"], dv)
+    want = _launch_recurrence("kda_recurrence_k32", rows, shared["state"], dv)
     assert not np.array_equal(want[1], shared["state"])  # the state moved
     state = cp.asarray(shared["state"])
     got = KdaOps().kda_recurrence(*(cp.asarray(rows[n]) for n in ("q", "k", "v", "g", "beta")), state)
     assert cp.asnumpy(got).tobytes() == want[0].tobytes()
     assert cp.asnumpy(state).tobytes() == want[1].tobytes()
-    four = _launch_recurrence("kda_recurrence_s4", rows, shared["state"], dv)
-    assert four[0].tobytes() == want[0].tobytes() and four[1].tobytes() == want[1].tobytes()
+    k16 = _launch_recurrence("kda_recurrence_k16", rows, shared["state"], dv)
+    assert k16[0].tobytes() == want[0].tobytes() and k16[1].tobytes() == want[1].tobytes()
 
 
 def test_a_prompts_short_conv_spans_do_the_row_walks_arithmetic():

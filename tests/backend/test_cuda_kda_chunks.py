@@ -65,14 +65,14 @@ def test_a_span_of_chunks_at_a_time_carries_the_state(monkeypatch):
 
 def test_kda_recurrence_takes_the_chunked_scan_for_a_prompt_only():
     """t > VERIFY_CAP without snapshots: the chunked scan's bytes; t <= VERIFY_CAP (exact class):
-    the row walk's bytes (kda_recurrence_s4 launched alone)."""
+    the row walk's bytes (kda_recurrence_k16 launched alone)."""
     from tests.backend.test_cuda_kda import _launch_recurrence
 
     rows, state0 = kda_inputs(6, 40, 2, 128, 128)
     ops = KdaOps()
     assert _device_run(rows, state0, ops.kda_recurrence)[0].tobytes() == _device_run(rows, state0)[0].tobytes()
     short = {n: a[:15] for n, a in rows.items()}
-    walk = _launch_recurrence("kda_recurrence_s4", short, state0, 128)
+    walk = _launch_recurrence("kda_recurrence_k16", short, state0, 128)
     got = _device_run(short, state0, ops.kda_recurrence)
     assert got[0].tobytes() == walk[0].tobytes() and got[1].tobytes() == walk[1].tobytes()
 

@@ -16,7 +16,7 @@ import cupy as cp
 from memra.backend.cuda.kda_chunks import kda_shapes, prime_kda
 from memra.backend.cuda.prime import is_prime
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, device_input, f32, grid_1d, i32, launch
-from memra.kernels_cu.constants import KDA_CHUNK_MAX_DK, KDA_CONV_SPAN, KDA_MAX_CONV, KDA_MAX_DK, WARPS_PER_BLOCK
+from memra.kernels_cu.constants import KDA_CHUNK_MAX_DK, KDA_COLS, KDA_CONV_SPAN, KDA_MAX_CONV, KDA_MAX_DK
 
 
 def _rows(rows, t: int, shape: tuple, what: str):
@@ -81,7 +81,7 @@ class KdaOps:
         out = cp.empty((t, hk, dv), cp.float32)
         snap, stride = _rows(rows, t, (hk, dk, dv), "kda_recurrence")
         if t:
-            name = "kda_recurrence_s4" if dk <= 128 else "kda_recurrence"  # registers for 4 or all slots
-            launch("kda", name, (hk, (dv + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK), (BLOCK,),
+            name = "kda_recurrence_k16" if dk <= 128 else "kda_recurrence_k32"  # keys a thread holds
+            launch("kda", name, (hk, blocks_of(dv, KDA_COLS)), (BLOCK,),
                    (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv), snap, stride))
         return out

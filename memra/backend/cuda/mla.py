@@ -16,10 +16,6 @@ from memra.backend.cuda.prime import is_prime, prime_attend, prime_pool_scores
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, position
 from memra.kernels_cu.constants import ATT_HEADS, ATT_POS, MIX_CHANNELS, MIX_SPLIT, MIX_STEP
 
-# From this many rows mla_scores tiles two positions per thread (half the q re-reads); fewer rows
-# take one, for blocks enough to fill the GPU. The tile changes no score (each is one serial dot).
-SCORES_P2_ROWS = 4
-
 
 class MlaOps:
     _mix_split = MIX_SPLIT  # list entries per mla_mix partial: a size, the same for every t
@@ -97,18 +93,15 @@ class MlaOps:
         if is_prime(t):  # a prompt: dense float32 GEMMs under the selection's mask (prime.py)
             return prime_attend(q_lat, latent, positions, scale)
         out = cp.empty((t, h, rank), cp.float32)
-        probs = cp.empty((t * h, width), cp.float32)
-        per_thread = 2 if t >= SCORES_P2_ROWS else 1
-        launch("mla", f"mla_scores_p{per_thread}",
-               (blocks_of(width, ATT_POS * per_thread), t, blocks_of(h, ATT_HEADS)), (BLOCK,),
-               (q_lat, latent, positions, probs, i32(h), i32(rank), i32(width), f32(scale)))
-        launch("mla", "mla_softmax", (t * h,), (BLOCK,), (probs, positions, i32(h), i32(width)))
+        scores = cp.empty((t, h, width), cp.float32)
+        launch("mla", "mla_scores", (blocks_of(width, ATT_POS), t, blocks_of(h, ATT_HEADS)), (BLOCK,),
+               (q_lat, latent, positions, scores, i32(h), i32(rank), i32(width), f32(scale)))
         split = self._mix_split
         assert 0 < split <= MIX_SPLIT and split % MIX_STEP == 0, f"mix split {split}"
         nsplit = blocks_of(width, split)
-        part = cp.empty((t, nsplit, h, rank), cp.float32)
+        part, stats = cp.empty((t, nsplit, h, rank), cp.float32), cp.empty((t, nsplit, h, 2), cp.float32)
         launch("mla", "mla_mix", (blocks_of(rank, MIX_CHANNELS), nsplit, t), (BLOCK,),
-               (probs, latent, positions, part, i32(h), i32(rank), i32(width), i32(split)))
+               (scores, latent, positions, part, stats, i32(h), i32(rank), i32(width), i32(split)))
         launch("mla", "mla_mix_combine", (blocks_of(t * h * rank),), (BLOCK,),
-               (part, out, i32(t), i32(h), i32(rank), i32(nsplit)))
+               (part, stats, out, i32(t), i32(h), i32(rank), i32(nsplit)))
         return out

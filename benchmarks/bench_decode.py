@@ -42,13 +42,12 @@ from benchmarks.common import (  # noqa: E402
     model_config, model_from_args, prime_context, random_tokens, record_header, roof_gbs, session_tokens, time_ms,
     timed_call,
 )
-from benchmarks.kernel_profile import kernel_profile  # noqa: E402
+from benchmarks.kernel_profile import kernel_profile, profile_lines  # noqa: E402
 from benchmarks.walk_bytes import moe_layer_count, state_bytes, weight_bytes  # noqa: E402
 from memra.limits import VERIFY_CAP  # noqa: E402
 
 COUNTED_STEPS = 4    # eager decode steps run again with launches counted (counting slows the host)
 PROFILED_STEPS = 16  # steps run again under the kernel profiler (graph replay where captured)
-PROFILE_LINES = 16   # kernel families on the card (the JSON has them all)
 PREFILL_REPS = 3     # timed primes per prompt length, median kept: one prime's wall time moved 13% between runs
 REPLAY_SETS, REPLAY_REPS = 5, 40  # replay_gpu_ms: sets of back-to-back replays of the captured step
 
@@ -207,16 +206,6 @@ def card(record: dict) -> list[str]:
     lines += profile_lines(d.get("kernel_profile"), "a decode step")
     for name, p in record["prefill"].items():
         lines += profile_lines(p.get("kernel_profile"), f"the {name} prime")
-    return lines
-
-
-def profile_lines(prof: dict | None, what: str) -> list[str]:
-    if not prof:
-        return []
-    lines = [f"  kernels of {what}: {prof['kernel_us_per_step'] / 1e3:.3f} ms of GPU time, "
-             f"GPU idle {100 * prof['idle_share']:.1f}% of the span"]
-    for name, f in list(prof["families"].items())[:PROFILE_LINES]:
-        lines.append(f"    {100 * f['share']:5.1f}%  {f['us_per_step']:10.1f} us  {f['calls_per_step']:7.1f} calls  {name}")
     return lines
 
 

@@ -27,8 +27,11 @@ from benchmarks.common import (  # noqa: E402
     WARMUP_STEPS, bandwidth_fraction, card_head, counted_launches, emit, greedy_steps, int_list, model_args,
     model_config, model_from_args, prime_context, record_header, roof_gbs, routed_experts, verify_times,
 )
+from benchmarks.kernel_profile import kernel_profile, profile_lines  # noqa: E402
 from benchmarks.walk_bytes import state_bytes, weight_bytes  # noqa: E402
 from memra.limits import VERIFY_CAP  # noqa: E402
+
+PROFILED_WALKS = 4  # walks of each row count run again under the kernel profiler, each rewound
 
 
 def greedy_tape(model, cache, anchor: int, n: int) -> list[int]:
@@ -49,6 +52,8 @@ def walk(model, cache, tokens: list[int], reps: int, roof: float | None) -> dict
     cache.walks.enabled = graphs
     model.rewind(cache, ckpt)
     verify, rollback = verify_times(model, cache, tokens, reps)
+    profile = None if not launches else kernel_profile(
+        lambda: verify_times(model, cache, tokens, PROFILED_WALKS), PROFILED_WALKS, list(launches))
     t, ms = len(tokens), float(np.median(verify))
     weights = weight_bytes(model, picked, rows=t)
     state = state_bytes(model, cache, rows=t, snapshot=True)
@@ -59,6 +64,7 @@ def walk(model, cache, tokens: list[int], reps: int, roof: float | None) -> dict
         "bandwidth_fraction": bandwidth_fraction(weights["total"], ms, roof),
         "state_bytes": state["total"], "state_bytes_by_part": state,
         "launches": None if launches is None else sum(launches.values()),
+        "kernel_profile": profile,  # a walk, its rollback(keep=1) and its rewind
     }
 
 
@@ -72,7 +78,8 @@ def card(record: dict) -> list[str]:
         lines.append(f"  t={w['rows']:<2} verify {w['verify_ms']:8.3f} ms  x{w['ratio_to_decode']:5.2f} decode  "
                      f"rollback {w['rollback_keep1_ms']:7.3f} ms  weights {w['weight_bytes'] / 1e9:6.2f} GB"
                      + (f"  {100 * frac:5.1f}% of copy bw" if frac is not None else ""))
-    return lines
+    widest = max(record["verify"].values(), key=lambda w: w["rows"])
+    return lines + profile_lines(widest.get("kernel_profile"), f"a {widest['rows']}-row walk with its rollback")
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,8 @@ dependent launch's wait for its predecessor is not its work; _own_us).
 
 from __future__ import annotations
 
+PROFILE_LINES = 16  # kernel families on a benchmark's card (the JSON has them all)
+
 
 def _family(name: str, owner: dict[str, str]) -> str:
     """'dense.linear_bf16_n1' for a memra kernel (owner: kernel name -> its kernels_cu module),
@@ -69,3 +71,14 @@ def kernel_profile(run, steps: int, launched: list[str]) -> dict | None:
     return {"steps": steps, "kernel_us_per_step": total / steps, "span_us_per_step": span / steps,
             "busy_us_per_step": _busy_us(spans) / steps, "idle_share": 1 - _busy_us(spans) / span,
             "families": families}
+
+
+def profile_lines(prof: dict | None, what: str) -> list[str]:
+    """A card's lines for a kernel profile: the total, then the PROFILE_LINES largest families."""
+    if not prof:
+        return []
+    lines = [f"  kernels of {what}: {prof['kernel_us_per_step'] / 1e3:.3f} ms of GPU time, "
+             f"GPU idle {100 * prof['idle_share']:.1f}% of the span"]
+    for name, f in list(prof["families"].items())[:PROFILE_LINES]:
+        lines.append(f"    {100 * f['share']:5.1f}%  {f['us_per_step']:10.1f} us  {f['calls_per_step']:7.1f} calls  {name}")
+    return lines

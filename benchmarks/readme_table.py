@@ -139,7 +139,8 @@ def verify(path: str, r: dict) -> list[str]:
     out = [_head(path, r), "", f"| {_preset(r)}: rows t | " + " | ".join(str(w["rows"]) for w in walks) + " |",
            "|---" * (len(walks) + 1) + "|",
            "| verify / decode step | " + " | ".join(f"{w['ratio_to_decode']:.2f}" for w in walks) + " |"]
-    return out
+    widest = max(walks, key=lambda w: w["rows"])  # older records have no profile
+    return out + _profile(widest.get("kernel_profile"), f"a {widest['rows']}-row walk with its rollback")
 
 
 def spec(path: str, r: dict) -> list[str]:

@@ -124,95 +124,110 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
 // row is read once per block of positions and ATT_HEADS heads (scores) or of channels (mix, all
 // heads), never per head. The softmax is split with the mix (a split's own max, rescaled when the
 // splits combine), so no launch waits on a whole row's scores:
-//   mla_scores:      s[r, h, j] = scale * (q[r, h] . c_{pos[r, j]}), the dot over R in 8 fixed
-//                    channel slices, added in order;
+//   mla_scores:      s[r, h, j] = scale * (q[r, h] . c_{pos[r, j]}), the dot over R in order;
 //   mla_mix:         per split of `split` entries (the wrapper passes MIX_SPLIT): m = the max of
 //                    the split's valid scores, l = sum of e_j = exp(s_j - m) and part[k] = sum of
 //                    e_j c_{pos[r, j]}[k], each over j ascending;
 //   mla_mix_combine: o[r, h, k] = sum_s w_s part_s[k] / sum_s w_s l_s with w_s = exp(m_s - M),
-//                    M the max of the m_s, both sums over the splits s ascending.
+//                    M the max of the m_s, both sums over the splits s ascending (a split of
+//                    weight 0, or with no selected entry, skipped).
 // Each value's order depends on R, W and the row's own list only, never on t, the tile or the grid.
+// In-channels staged per mla_scores step; each step waits on its loads once, so one position a
+// thread takes 128 (R = 512 in 4 waits). 256 needs so many registers that one block fits an SM,
+// which loses on full lists; two positions a thread keep 64 for the same reason.
+template <int PT>
+__host__ __device__ constexpr int score_kt() { return PT == 1 ? 128 : 64; }
 static_assert(MEMRA_BLOCK == 256, "mla_scores and mla_mix tile 256 threads");
-static_assert(ATT_HEADS == 16 && ATT_POS == 16, "mla_scores: 8 warps of 32 lanes, 2 heads x 4 positions a lane");
+static_assert(ATT_HEADS * ATT_POS == MEMRA_BLOCK, "mla_scores: a thread per (head, position column)");
 static_assert(MIX_CHANNELS == 128 && MIX_SPLIT % MIX_STEP == 0, "mla_mix: 4 channels per lane");
 
-// mla_scores stages SCORE_KT in-channels a step; warp w takes channels 16 w .. 16 w + 15 of each.
-constexpr int SCORE_KT = 128, SCORE_WARP_KT = SCORE_KT / WARPS_PER_BLOCK;
-constexpr int SCORE_ROW = 20;  // a staged channel's 16 heads or positions, padded: 16-byte rows, fewer clashes
-
-// One mla_scores step's loads: q of heads h0.. and the tile's latent rows, channels k0..k0+SCORE_KT
-// (entry e: row e / SCORE_KT, channel e % SCORE_KT, so a warp reads 128 contiguous bytes).
+// One mla_scores step's loads: q of heads h0.. and the tile's latent rows, channels k0..k0+KT.
+template <int PT, int KT = score_kt<PT>()>
 struct ScoreLoads {
-    static constexpr int N = ATT_HEADS * SCORE_KT / MEMRA_BLOCK;
-    static_assert(ATT_POS * SCORE_KT / MEMRA_BLOCK == N, "as many latent loads as q loads");
-    float q[N], c[N];
+    float q[ATT_HEADS * KT / MEMRA_BLOCK];
+    float c[ATT_POS * PT * KT / MEMRA_BLOCK];
 
-    __device__ void load(const float* qr, const float* latent, const int* ps, int H, int R, int h0, int k0) {
+    __device__ void load(const float* qr, const float* latent, const int* ps, int H, int R, int h0,
+                         int k0) {
 #pragma unroll
-        for (int i = 0; i < N; ++i) {
-            const int e = threadIdx.x + i * MEMRA_BLOCK, row = e / SCORE_KT, k = k0 + e % SCORE_KT;
-            q[i] = h0 + row < H && k < R ? qr[(long long)(h0 + row) * R + k] : 0.0f;
-            c[i] = ps[row] >= 0 && k < R ? latent[(long long)ps[row] * R + k] : 0.0f;
+        for (int i = 0; i < ATT_HEADS * KT / MEMRA_BLOCK; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / KT, k = k0 + e % KT;
+            q[i] = h < H && k < R ? qr[(long long)h * R + k] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < ATT_POS * PT * KT / MEMRA_BLOCK; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK, pos = ps[e / KT], k = k0 + e % KT;
+            c[i] = pos >= 0 && k < R ? latent[(long long)pos * R + k] : 0.0f;
         }
     }
 };
 
-// grid (ceil(W / ATT_POS), t, ceil(H / ATT_HEADS)), block MEMRA_BLOCK: the scores of ATT_HEADS
-// heads at ATT_POS list entries. Lane (hp = lane / 4, pq = lane % 4) of warp w sums heads 2 hp,
-// 2 hp + 1 times positions 4 pq .. 4 pq + 3 over its channels (warp w's 16 of each step, steps in
-// order), so a channel costs a lane two shared loads for eight products; the block then adds its 8
-// warps' partials in warp order. The order depends on R only. A tile with no selected position
-// (all -1) returns at once.
-extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 3) mla_scores(const float* q, const float* latent, const int* positions,
-                                      float* scores, int H, int R, int W, float scale) {
-    after_predecessor();
-    __shared__ __align__(16) float qs[SCORE_KT][SCORE_ROW], cs[SCORE_KT][SCORE_ROW];
-    __shared__ float part[WARPS_PER_BLOCK][ATT_HEADS * ATT_POS];
-    __shared__ int ps[ATT_POS];
-    const int r = blockIdx.y, j0 = blockIdx.x * ATT_POS, h0 = blockIdx.z * ATT_HEADS;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, hp = lane / 4, pq = lane % 4;
+// grid (ceil(W / (ATT_POS * PT)), t, ceil(H / ATT_HEADS)), block MEMRA_BLOCK. Thread
+// (h = tid / ATT_POS, pl = tid % ATT_POS) holds head h0 + h of the block's heads and positions
+// pl + ATT_POS i (i < PT) of the tile. PT and the head split only tile: every score is the same
+// serial dot, so they may follow t. A block takes ATT_HEADS of the row's heads (a quarter of
+// 64), so the blocks of the selected positions spread over the SMs instead of each running every
+// head in turn; a tile with no selected position (all -1) returns at once.
+template <int PT>
+__device__ void mla_scores_tile(const float* q, const float* latent, const int* positions,
+                                float* scores, int H, int R, int W, float scale) {
+    constexpr int SP = ATT_POS * PT, KT = score_kt<PT>();
+    __shared__ float qs[KT][ATT_HEADS + 1];  // +1: the transposing stores spread
+    __shared__ float cs[KT][SP + 1];
+    __shared__ int ps[SP];
+    const int r = blockIdx.y, j0 = blockIdx.x * SP, h0 = blockIdx.z * ATT_HEADS;
+    const int h = threadIdx.x / ATT_POS, pl = threadIdx.x % ATT_POS;
     const int* pos = positions + (long long)r * W;
     const float* qr = q + (long long)r * H * R;
     bool any = false;
-    if (threadIdx.x < ATT_POS) {
+    if (threadIdx.x < SP) {
         ps[threadIdx.x] = j0 + (int)threadIdx.x < W ? pos[j0 + threadIdx.x] : -1;
         any = ps[threadIdx.x] >= 0;
     }
     if (!__syncthreads_or(any)) return;  // uniform: the whole block sees the same answer
-    ScoreLoads next;
-    float acc[2][4] = {};
+    ScoreLoads<PT> next;
+    float acc[PT];
+#pragma unroll
+    for (int i = 0; i < PT; ++i) acc[i] = 0.0f;
     next.load(qr, latent, ps, H, R, h0, 0);
-    for (int k0 = 0; k0 < R; k0 += SCORE_KT) {
+    for (int k0 = 0; k0 < R; k0 += KT) {
         __syncthreads();  // the previous step is done with the tiles
 #pragma unroll
-        for (int i = 0; i < ScoreLoads::N; ++i) {
+        for (int i = 0; i < ATT_HEADS * KT / MEMRA_BLOCK; ++i) {
             const int e = threadIdx.x + i * MEMRA_BLOCK;
-            qs[e % SCORE_KT][e / SCORE_KT] = next.q[i];
-            cs[e % SCORE_KT][e / SCORE_KT] = next.c[i];
+            qs[e % KT][e / KT] = next.q[i];
+        }
+#pragma unroll
+        for (int i = 0; i < SP * KT / MEMRA_BLOCK; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK;
+            cs[e % KT][e / KT] = next.c[i];
         }
         __syncthreads();
-        if (k0 + SCORE_KT < R) next.load(qr, latent, ps, H, R, h0, k0 + SCORE_KT);  // in flight meanwhile
+        if (k0 + KT < R) next.load(qr, latent, ps, H, R, h0, k0 + KT);  // in flight meanwhile
+        const int kn = min(KT, R - k0);
+        for (int k = 0; k < kn; ++k) {
+            const float qv = qs[k][h];
 #pragma unroll
-        for (int kk = 0; kk < SCORE_WARP_KT; ++kk) {
-            const int k = warp * SCORE_WARP_KT + kk;
-            const float2 qv = *reinterpret_cast<const float2*>(&qs[k][2 * hp]);
-            const float4 cv = *reinterpret_cast<const float4*>(&cs[k][4 * pq]);
-            const float qa[2] = {qv.x, qv.y}, ca[4] = {cv.x, cv.y, cv.z, cv.w};
-#pragma unroll
-            for (int a = 0; a < 2; ++a)
-#pragma unroll
-                for (int b = 0; b < 4; ++b) acc[a][b] = acc[a][b] + qa[a] * ca[b];
+            for (int i = 0; i < PT; ++i) acc[i] = acc[i] + qv * cs[k][pl + ATT_POS * i];
         }
     }
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
-#pragma unroll
-        for (int b = 0; b < 4; ++b) part[warp][(2 * hp + a) * ATT_POS + 4 * pq + b] = acc[a][b];
-    __syncthreads();
-    const int h = threadIdx.x / ATT_POS, jj = threadIdx.x % ATT_POS;
-    float sum = part[0][threadIdx.x];
-    for (int w = 1; w < WARPS_PER_BLOCK; ++w) sum += part[w][threadIdx.x];
-    if (h0 + h < H && ps[jj] >= 0) scores[((long long)r * H + h0 + h) * W + j0 + jj] = sum * scale;
+    for (int i = 0; i < PT; ++i) {
+        const int jj = pl + ATT_POS * i;
+        if (h0 + h < H && ps[jj] >= 0) scores[((long long)r * H + h0 + h) * W + j0 + jj] = acc[i] * scale;
+    }
+}
+
+extern "C" __global__ void mla_scores_p1(const float* q, const float* latent, const int* positions,
+                                         float* scores, int H, int R, int W, float scale) {
+    after_predecessor();
+    mla_scores_tile<1>(q, latent, positions, scores, H, R, W, scale);
+}
+
+extern "C" __global__ void mla_scores_p2(const float* q, const float* latent, const int* positions,
+                                         float* scores, int H, int R, int W, float scale) {
+    after_predecessor();
+    mla_scores_tile<2>(q, latent, positions, scores, H, R, W, scale);
 }
 
 #define MIX_HEADS 64  // heads per mla_mix pass: 8 warps of 8 heads (mla_scores splits its own by ATT_HEADS)
@@ -356,27 +371,48 @@ extern "C" __global__ void mla_mix(const float* scores, const float* latent, con
     }
 }
 
-// grid blocks_of(t * H * R), thread = one output: the split parts rescaled to the row's max and
-// added in split order, over the weight sums added in the same order; a split with no selected
-// entry (m = -inf) is skipped.
-extern "C" __global__ void mla_mix_combine(const float* part, const float* stats, float* out, int t, int H,
-                                           int R, int nsplit) {
+// grid (t * H), block MEMRA_BLOCK, 12 nsplit bytes of dynamic shared memory: row r = blockIdx.x / H,
+// head h's outputs, each the split parts rescaled to the row's max and added in split order,
+// over the weight sums added in the same order. A split with no selected entry (m = -inf) is
+// skipped. The block first lists the splits that count and their weights w_s = exp(m_s - M),
+// so each weight is taken once, not once per channel.
+extern "C" __global__ void mla_mix_combine(const float* part, const float* stats, float* out, int H, int R,
+                                           int nsplit) {
     after_predecessor();
-    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long hr = (long long)H * R;
-    if (id >= t * hr) return;
-    const long long r = id / hr, h = (id - r * hr) / R;
-    const float* p = part + r * nsplit * hr + (id - r * hr);
+    extern __shared__ float split_w[];  // [nsplit] weights, then [nsplit] weight sums, [nsplit] split ids
+    float* split_l = split_w + nsplit;
+    int* split_at = reinterpret_cast<int*>(split_l + nsplit);
+    __shared__ float red[MEMRA_BLOCK], total;
+    __shared__ int counted;
+    const long long r = blockIdx.x / H, h = blockIdx.x % H, hr = (long long)H * R;
     const float* st = stats + (r * nsplit * H + h) * 2;  // split s at st[2 H s]
     float mx = neg_inf();
-    for (int s = 0; s < nsplit; ++s) mx = fmaxf(mx, st[2LL * H * s]);
-    float sum = 0.0f, l = 0.0f;
-    for (int s = 0; s < nsplit; ++s) {
-        const float m = st[2LL * H * s];
-        if (m == neg_inf()) continue;  // no selected entry: its part was never written
-        const float w = expf(m - mx);
-        sum += w * p[s * hr];
-        l += w * st[2LL * H * s + 1];
+    for (int s = threadIdx.x; s < nsplit; s += MEMRA_BLOCK) {
+        split_w[s] = st[2LL * H * s];
+        split_l[s] = st[2LL * H * s + 1];
+        mx = fmaxf(mx, split_w[s]);
     }
-    out[id] = sum / l;
+    mx = block_max(mx, red);  // a max: the same value in any order (its barriers publish split_w)
+    for (int s = threadIdx.x; s < nsplit; s += MEMRA_BLOCK)
+        split_w[s] = split_w[s] == neg_inf() ? 0.0f : expf(split_w[s] - mx);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int n = 0;
+        float l = 0.0f;
+        for (int s = 0; s < nsplit; ++s) {
+            if (split_w[s] == 0.0f) continue;  // no selected entry (its part was never written), or no weight
+            l += split_w[s] * split_l[s];
+            split_w[n] = split_w[s];
+            split_at[n++] = s;
+        }
+        counted = n;
+        total = l;
+    }
+    __syncthreads();
+    const float* p = part + r * nsplit * hr + h * R;
+    for (int k = threadIdx.x; k < R; k += MEMRA_BLOCK) {
+        float sum = 0.0f;
+        for (int i = 0; i < counted; ++i) sum += split_w[i] * p[split_at[i] * hr + k];
+        out[r * hr + h * R + k] = sum / total;
+    }
 }

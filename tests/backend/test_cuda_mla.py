@@ -122,7 +122,7 @@ CASES = [
     case("mla_attend_small_from_3", *_mla(4, 32, 3)),
     case("mla_attend_odd_dense", *_mla(3, 67, 0), ts=(1, 7, 13, 15)),
     # tile edges: 70 heads (two passes), 200 channels (two mix tiles, not a multiple of 32),
-    # 150 entries (three mix splits, the last short; the last scores tile of 16 partial)
+    # 150 entries (three mix splits, the last short; scores tiles of 16 and 32 both partial)
     case("mla_attend_tile_edges", *_mla_lists(70, 200, 150, 300), ts=(1, 3, 4, 8, 15)),
     case("mla_attend_one_split", *_mla_lists(5, 33, MIX_SPLIT, 80), ts=(1, 4, 15)),
     case("mla_attend_bench_shape", *_mla_lists(64, 512, 2048 + 15, 4096), ts=(1, 8, 15)),

@@ -16,6 +16,10 @@ from memra.backend.cuda.prime import is_prime, prime_attend, prime_pool_scores
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, position
 from memra.kernels_cu.constants import ATT_HEADS, ATT_POS, MIX_CHANNELS, MIX_SPLIT, MIX_STEP
 
+# From this many rows mla_scores tiles two positions per thread (half the q re-reads); fewer rows
+# take one, for blocks enough to fill the GPU. The tile changes no score (each is one serial dot).
+SCORES_P2_ROWS = 4
+
 
 class MlaOps:
     _mix_split = MIX_SPLIT  # list entries per mla_mix partial: a size, the same for every t
@@ -94,14 +98,17 @@ class MlaOps:
             return prime_attend(q_lat, latent, positions, scale)
         out = cp.empty((t, h, rank), cp.float32)
         scores = cp.empty((t, h, width), cp.float32)
-        launch("mla", "mla_scores", (blocks_of(width, ATT_POS), t, blocks_of(h, ATT_HEADS)), (BLOCK,),
+        per_thread = 2 if t >= SCORES_P2_ROWS else 1
+        launch("mla", f"mla_scores_p{per_thread}",
+               (blocks_of(width, ATT_POS * per_thread), t, blocks_of(h, ATT_HEADS)), (BLOCK,),
                (q_lat, latent, positions, scores, i32(h), i32(rank), i32(width), f32(scale)))
         split = self._mix_split
         assert 0 < split <= MIX_SPLIT and split % MIX_STEP == 0, f"mix split {split}"
         nsplit = blocks_of(width, split)
+        assert 12 * nsplit <= 48 * 1024, f"mla_attend: {width} entries in {nsplit} splits, the combine holds 4096"
         part, stats = cp.empty((t, nsplit, h, rank), cp.float32), cp.empty((t, nsplit, h, 2), cp.float32)
         launch("mla", "mla_mix", (blocks_of(rank, MIX_CHANNELS), nsplit, t), (BLOCK,),
                (scores, latent, positions, part, stats, i32(h), i32(rank), i32(width), i32(split)))
-        launch("mla", "mla_mix_combine", (blocks_of(t * h * rank),), (BLOCK,),
-               (part, stats, out, i32(t), i32(h), i32(rank), i32(nsplit)))
+        launch("mla", "mla_mix_combine", (t * h,), (BLOCK,),
+               (part, stats, out, i32(h), i32(rank), i32(nsplit)), shared_mem=12 * nsplit)
         return out

@@ -3,9 +3,11 @@
     python benchmarks/bench_verify.py --preset bench --backend cuda --git-sha SHA \
         [--out F] [--steps 32] [--context 512] [--rows 1-15] [--reps 10]
 
-After a --context-token prime, for each t in --rows: the time of model.verify_rows over t rows
-(the anchor and its greedy continuation: the rows a fully accepted round verifies), and apart
-from it the time of model.rollback(keep=1) (every draft rejected); then the walk is undone from
+After a --context-token prime, for each t in --rows: the time of model.verify_greedy over t rows
+(the anchor and its greedy continuation: the rows a fully accepted round verifies; each row's
+argmax taken on the device, as the decode step it is compared with takes its own), beside it
+model.verify_rows (the same walk with its [t, V] logits copied to the host), and apart from
+them the time of model.rollback(keep=1) (every draft rejected); then the walk is undone from
 its checkpoint (model.rewind), so every repetition starts from the same cache. Also: the ratio to a plain
 decode step timed in the same run, the weight bytes the walk reads (trunk arrays once, the
 distinct routed experts its rows picked, recorded in an untimed walk; exact on bench-dense too),
@@ -52,13 +54,15 @@ def walk(model, cache, tokens: list[int], reps: int, roof: float | None) -> dict
     cache.walks.enabled = graphs
     model.rewind(cache, ckpt)
     verify, rollback = verify_times(model, cache, tokens, reps)
+    with_logits, _ = verify_times(model, cache, tokens, reps, host_logits=True)
     profile = None if not launches else kernel_profile(
         lambda: verify_times(model, cache, tokens, PROFILED_WALKS), PROFILED_WALKS, list(launches))
     t, ms = len(tokens), float(np.median(verify))
     weights = weight_bytes(model, picked, rows=t)
     state = state_bytes(model, cache, rows=t, snapshot=True)
     return {
-        "rows": t, "verify_ms": ms, "rollback_keep1_ms": float(np.median(rollback)),
+        "rows": t, "verify_ms": ms, "verify_rows_ms": float(np.median(with_logits)),
+        "rollback_keep1_ms": float(np.median(rollback)),
         "weight_bytes": weights["total"], "weight_bytes_by_part": weights,
         "distinct_experts_per_moe_layer": picked,
         "bandwidth_fraction": bandwidth_fraction(weights["total"], ms, roof),
@@ -76,6 +80,7 @@ def card(record: dict) -> list[str]:
     for w in record["verify"].values():
         frac = w["bandwidth_fraction"]
         lines.append(f"  t={w['rows']:<2} verify {w['verify_ms']:8.3f} ms  x{w['ratio_to_decode']:5.2f} decode  "
+                     f"(logits to the host {w['verify_rows_ms']:8.3f} ms)  "
                      f"rollback {w['rollback_keep1_ms']:7.3f} ms  weights {w['weight_bytes'] / 1e9:6.2f} GB"
                      + (f"  {100 * frac:5.1f}% of copy bw" if frac is not None else ""))
     widest = max(record["verify"].values(), key=lambda w: w["rows"])

@@ -217,12 +217,16 @@ def greedy_steps(model: Glm5Model, cache, token: int, steps: int, tape: list | N
     return times, token
 
 
-def verify_times(model: Glm5Model, cache, tokens: list[int], reps: int):
+def verify_times(model: Glm5Model, cache, tokens: list[int], reps: int, host_logits: bool = False):
     """`reps` verify walks of `tokens` at cache.pos, each followed by rollback(keep=1) and
-    rewound -> (ms of each verify, ms of each rollback). The cache ends where it started."""
+    rewound -> (ms of each verify, ms of each rollback). The cache ends where it started.
+    The walk is verify_greedy, as a greedy round takes it (each row's argmax where the logits
+    are, t ints to the host: the decode step's decode_greedy does the same for one row);
+    host_logits: verify_rows instead, which copies the [t, V] float logits to the host."""
+    walk = model.verify_rows if host_logits else model.verify_greedy
     verify, rollback = [], []
     for _ in range(reps):
-        ms, (_, _, ckpt) = timed_call(functools.partial(model.verify_rows, tokens, cache), model.be)
+        ms, (_, _, ckpt) = timed_call(functools.partial(walk, tokens, cache), model.be)
         verify.append(ms)
         rollback.append(timed_call(functools.partial(model.rollback, cache, ckpt, 1), model.be)[0])
         model.rewind(cache, ckpt)

@@ -139,6 +139,9 @@ def verify(path: str, r: dict) -> list[str]:
     out = [_head(path, r), "", f"| {_preset(r)}: rows t | " + " | ".join(str(w["rows"]) for w in walks) + " |",
            "|---" * (len(walks) + 1) + "|",
            "| verify / decode step | " + " | ".join(f"{w['ratio_to_decode']:.2f}" for w in walks) + " |"]
+    if all("verify_rows_ms" in w for w in walks):  # records before it timed the walk with the host copy only
+        out.append("| with the [t, V] logits copied to the host / decode step | "
+                   + " | ".join(f"{w['verify_rows_ms'] / r['decode_ms']:.2f}" for w in walks) + " |")
     widest = max(walks, key=lambda w: w["rows"])  # older records have no profile
     return out + _profile(widest.get("kernel_profile"), f"a {widest['rows']}-row walk with its rollback")
 

@@ -130,7 +130,7 @@ def test_bench_verify_prints_one_json_line_of_positive_numbers(capsys):
     _positive(record, "decode_ms")
     assert list(record["verify"]) == ["t1", "t2", "t3"]
     for t, w in enumerate(record["verify"].values(), start=1):
-        _positive(w, "verify_ms", "rollback_keep1_ms", "ratio_to_decode", "weight_bytes", "state_bytes")
+        _positive(w, "verify_ms", "verify_rows_ms", "rollback_keep1_ms", "ratio_to_decode", "weight_bytes", "state_bytes")
         assert w["rows"] == t
         assert all(SMALL.num_experts_per_tok <= n <= min(SMALL.n_routed_experts, t * SMALL.num_experts_per_tok)
                    for n in w["distinct_experts_per_moe_layer"])

@@ -120,17 +120,14 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
     }
 }
 
-// Absorbed MLA attention in three launches; a block serves many heads of its row, so a latent
+// Absorbed MLA attention in four launches; a block serves many heads of its row, so a latent
 // row is read once per block of positions and ATT_HEADS heads (scores) or of channels (mix, all
-// heads), never per head. The softmax is split with the mix (a split's own max, rescaled when the
-// splits combine), so no launch waits on a whole row's scores:
+// heads), never per head:
 //   mla_scores:      s[r, h, j] = scale * (q[r, h] . c_{pos[r, j]}), the dot over R in order;
-//   mla_mix:         per split of `split` entries (the wrapper passes MIX_SPLIT): m = the max of
-//                    the split's valid scores, l = sum of e_j = exp(s_j - m) and part[k] = sum of
-//                    e_j c_{pos[r, j]}[k], each over j ascending;
-//   mla_mix_combine: o[r, h, k] = sum_s w_s part_s[k] / sum_s w_s l_s with w_s = exp(m_s - M),
-//                    M the max of the m_s, both sums over the splits s ascending (a split of
-//                    weight 0, or with no selected entry, skipped).
+//   mla_softmax:     p[r, h, :] = softmax over the row's valid entries (fixed-tree max and sum);
+//   mla_mix:         part[r, s, h, k] = sum of p[r, h, j] c_{pos[r, j]}[k] over the split's
+//                    `split` entries j (the wrapper passes MIX_SPLIT), ascending;
+//   mla_mix_combine: o[r, h, k] = sum of part[r, s, h, k] over the splits s, ascending.
 // Each value's order depends on R, W and the row's own list only, never on t, the tile or the grid.
 // In-channels staged per mla_scores step; each step waits on its loads once, so one position a
 // thread takes 128 (R = 512 in 4 waits). 256 needs so many registers that one block fits an SM,
@@ -230,21 +227,41 @@ extern "C" __global__ void mla_scores_p2(const float* q, const float* latent, co
     mla_scores_tile<2>(q, latent, positions, scores, H, R, W, scale);
 }
 
+// grid (t * H), block MEMRA_BLOCK: scores -> probabilities in place; invalid entries get 0.
+extern "C" __global__ void mla_softmax(float* scores, const int* positions, int H, int W) {
+    after_predecessor();
+    __shared__ float shm[MEMRA_BLOCK];
+    const int* pos = positions + (long long)(blockIdx.x / H) * W;
+    float* s = scores + (long long)blockIdx.x * W;
+    float mx = neg_inf();
+    for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK)
+        if (pos[j] >= 0) mx = fmaxf(mx, s[j]);
+    mx = block_max(mx, shm);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK) {
+        const float e = pos[j] >= 0 ? expf(s[j] - mx) : 0.0f;
+        s[j] = e;
+        sum += e;
+    }
+    sum = block_sum(sum, shm);
+    for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK) s[j] = s[j] / sum;
+}
+
 #define MIX_HEADS 64  // heads per mla_mix pass: 8 warps of 8 heads (mla_scores splits its own by ATT_HEADS)
 static_assert(MIX_HEADS == 8 * (MEMRA_BLOCK / 32), "mla_mix: a warp holds 8 heads of the pass");
 
-// One mla_mix step's loads: the scores of heads h0.. (-inf at an entry with no position: its
-// weight is 0) and the latent channels kb.. of entries j0..j0+MIX_STEP (entry e of the split at ps[e]).
+// One mla_mix step's loads: the probabilities of heads h0.. and the latent channels kb.. of
+// entries j0..j0+MIX_STEP (entry e of the split at ps[e]).
 struct MixLoads {
     float p[MIX_HEADS * MIX_STEP / MEMRA_BLOCK];
     float c[MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK];
 
-    __device__ void load(const float* sr, const float* latent, const int* ps, int H, int R, int W,
+    __device__ void load(const float* pr, const float* latent, const int* ps, int H, int R, int W,
                          int h0, int kb, int j0, int e0) {
 #pragma unroll
         for (int i = 0; i < MIX_HEADS * MIX_STEP / MEMRA_BLOCK; ++i) {
             const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / MIX_STEP, j = j0 + e % MIX_STEP;
-            p[i] = h < H && j < W && ps[e0 + e % MIX_STEP] >= 0 ? sr[(long long)h * W + j] : neg_inf();
+            p[i] = h < H && j < W ? pr[(long long)h * W + j] : 0.0f;
         }
 #pragma unroll
         for (int i = 0; i < MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK; ++i) {
@@ -255,65 +272,22 @@ struct MixLoads {
     }
 };
 
-// A score's weight in its split: exp(s - m); 0 for an entry with no position (-inf).
-static __device__ __forceinline__ float split_weight(float s, float m) {
-    return s == neg_inf() ? 0.0f : expf(s - m);
-}
-
-// The split's max m and weight sum l of heads h0 + tid / 4 (MIX_HEADS of them), entries js..js+jn
-// of row scores sr: the head's 4 threads take entries tid % 4, + 4, ... each ascending, then an
-// xor tree over the 4 (the same bits in each).
-static __device__ void split_stats(const float* sr, const int* ps, int H, int W, int h0, int js, int jn,
-                                   float* smax, float* ssum) {
-    const int h = h0 + threadIdx.x / 4, part = threadIdx.x % 4;
-    const float* row = sr + (long long)min(h, H - 1) * W + js;
-    float m = neg_inf();
-    for (int j = part; j < jn; j += 4)
-        if (ps[j] >= 0) m = fmaxf(m, row[j]);
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    float l = 0.0f;
-    for (int j = part; j < jn; j += 4) l += split_weight(ps[j] >= 0 ? row[j] : neg_inf(), m);
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (part == 0) {
-        smax[threadIdx.x / 4] = m;
-        ssum[threadIdx.x / 4] = l;
-    }
-}
-
-// grid (ceil(R / MIX_CHANNELS), ceil(W / split), t), block MEMRA_BLOCK: split s = blockIdx.y's
-// part over its entries in order, and (blocks of channel 0) its stats [t, nsplit, H, 2] = (m, l);
-// a split with no selected entry writes m = -inf and no part.
-// split <= MIX_SPLIT, a multiple of MIX_STEP. Thread (warp w, lane l) holds heads 8 w .. 8 w + 7
-// of the pass and channels kb + 4 l .. + 3.
-extern "C" __global__ void mla_mix(const float* scores, const float* latent, const int* positions,
-                                   float* part, float* stats, int H, int R, int W, int split) {
+// grid (ceil(R / MIX_CHANNELS), ceil(W / split), t), block MEMRA_BLOCK: the partial sums of
+// split s = blockIdx.y over its entries in order; split <= MIX_SPLIT, a multiple of MIX_STEP.
+// Thread (warp w, lane l) holds heads 8 w .. 8 w + 7 of the pass and channels kb + 4 l .. + 3.
+extern "C" __global__ void mla_mix(const float* probs, const float* latent, const int* positions,
+                                   float* part, int H, int R, int W, int split) {
     after_predecessor();
-    static_assert(MIX_HEADS * 4 == MEMRA_BLOCK, "split_stats: 4 threads a head");
     __shared__ __align__(16) float cs[MIX_STEP][MIX_CHANNELS];
     __shared__ __align__(16) float pt[MIX_STEP][MIX_HEADS + 4];  // +4: float4 rows, fewer clashes
-    __shared__ float smax[MIX_HEADS], ssum[MIX_HEADS];
     __shared__ int ps[MIX_SPLIT];
     const int r = blockIdx.z, s = blockIdx.y, kb = blockIdx.x * MIX_CHANNELS;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, js = s * split;
-    const int jn = min(split, W - js), nsplit = (W + split - 1) / split;
+    const int jn = min(split, W - js);
     const int* pos = positions + (long long)r * W;
-    const float* sr = scores + (long long)r * H * W;
-    bool any = false;
-    if (threadIdx.x < MIX_SPLIT) {
-        ps[threadIdx.x] = (int)threadIdx.x < jn ? pos[js + threadIdx.x] : -1;
-        any = ps[threadIdx.x] >= 0;
-    }
-    if (!__syncthreads_or(any)) {  // no selected entry (a short context's tail): the combine skips it
-        if (blockIdx.x == 0)
-            for (int h = threadIdx.x; h < H; h += MEMRA_BLOCK) {
-                float* st = stats + (((long long)r * nsplit + s) * H + h) * 2;
-                st[0] = neg_inf();
-                st[1] = 0.0f;
-            }
-        return;
-    }
+    const float* pr = probs + (long long)r * H * W;
+    if (threadIdx.x < MIX_SPLIT) ps[threadIdx.x] = (int)threadIdx.x < jn ? pos[js + threadIdx.x] : -1;
+    __syncthreads();
     MixLoads next;
     for (int h0 = 0; h0 < H; h0 += MIX_HEADS) {
         float acc[8][4];
@@ -321,15 +295,13 @@ extern "C" __global__ void mla_mix(const float* scores, const float* latent, con
         for (int a = 0; a < 8; ++a)
 #pragma unroll
             for (int b = 0; b < 4; ++b) acc[a][b] = 0.0f;
-        next.load(sr, latent, ps, H, R, W, h0, kb, js, 0);
-        __syncthreads();  // the previous pass is done with smax
-        split_stats(sr, ps, H, W, h0, js, jn, smax, ssum);
+        next.load(pr, latent, ps, H, R, W, h0, kb, js, 0);
         for (int e0 = 0; e0 < jn; e0 += MIX_STEP) {
-            __syncthreads();  // the previous step is done with the tiles; smax is written
+            __syncthreads();  // the previous step is done with the tiles
 #pragma unroll
             for (int i = 0; i < MIX_HEADS * MIX_STEP / MEMRA_BLOCK; ++i) {
                 const int e = threadIdx.x + i * MEMRA_BLOCK;
-                pt[e % MIX_STEP][e / MIX_STEP] = split_weight(next.p[i], smax[e / MIX_STEP]);
+                pt[e % MIX_STEP][e / MIX_STEP] = next.p[i];
             }
 #pragma unroll
             for (int i = 0; i < MIX_STEP * MIX_CHANNELS / MEMRA_BLOCK; ++i) {
@@ -338,7 +310,7 @@ extern "C" __global__ void mla_mix(const float* scores, const float* latent, con
             }
             __syncthreads();
             const int e1 = e0 + MIX_STEP;
-            if (e1 < jn) next.load(sr, latent, ps, H, R, W, h0, kb, js + e1, e1);  // in flight meanwhile
+            if (e1 < jn) next.load(pr, latent, ps, H, R, W, h0, kb, js + e1, e1);  // in flight meanwhile
             const int en = min(MIX_STEP, jn - e0);
             for (int e = 0; e < en; ++e) {
                 const float4 c = *reinterpret_cast<const float4*>(&cs[e][4 * lane]);
@@ -354,6 +326,7 @@ extern "C" __global__ void mla_mix(const float* scores, const float* latent, con
                 }
             }
         }
+        const int nsplit = (W + split - 1) / split;
 #pragma unroll
         for (int a = 0; a < 8; ++a) {
             const int h = h0 + 8 * warp + a;
@@ -363,56 +336,19 @@ extern "C" __global__ void mla_mix(const float* scores, const float* latent, con
             for (int b = 0; b < 4; ++b)
                 if (kb + 4 * lane + b < R) o[kb + 4 * lane + b] = acc[a][b];
         }
-        if (blockIdx.x == 0 && threadIdx.x < MIX_HEADS && h0 + (int)threadIdx.x < H) {
-            float* st = stats + (((long long)r * nsplit + s) * H + h0 + threadIdx.x) * 2;
-            st[0] = smax[threadIdx.x];
-            st[1] = ssum[threadIdx.x];
-        }
     }
 }
 
-// grid (t * H), block MEMRA_BLOCK, 12 nsplit bytes of dynamic shared memory: row r = blockIdx.x / H,
-// head h's outputs, each the split parts rescaled to the row's max and added in split order,
-// over the weight sums added in the same order. A split with no selected entry (m = -inf) is
-// skipped. The block first lists the splits that count and their weights w_s = exp(m_s - M),
-// so each weight is taken once, not once per channel.
-extern "C" __global__ void mla_mix_combine(const float* part, const float* stats, float* out, int H, int R,
+// grid blocks_of(t * H * R), thread = one output: the split partials added in split order.
+extern "C" __global__ void mla_mix_combine(const float* part, float* out, int t, int H, int R,
                                            int nsplit) {
     after_predecessor();
-    extern __shared__ float split_w[];  // [nsplit] weights, then [nsplit] weight sums, [nsplit] split ids
-    float* split_l = split_w + nsplit;
-    int* split_at = reinterpret_cast<int*>(split_l + nsplit);
-    __shared__ float red[MEMRA_BLOCK], total;
-    __shared__ int counted;
-    const long long r = blockIdx.x / H, h = blockIdx.x % H, hr = (long long)H * R;
-    const float* st = stats + (r * nsplit * H + h) * 2;  // split s at st[2 H s]
-    float mx = neg_inf();
-    for (int s = threadIdx.x; s < nsplit; s += MEMRA_BLOCK) {
-        split_w[s] = st[2LL * H * s];
-        split_l[s] = st[2LL * H * s + 1];
-        mx = fmaxf(mx, split_w[s]);
-    }
-    mx = block_max(mx, red);  // a max: the same value in any order (its barriers publish split_w)
-    for (int s = threadIdx.x; s < nsplit; s += MEMRA_BLOCK)
-        split_w[s] = split_w[s] == neg_inf() ? 0.0f : expf(split_w[s] - mx);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int n = 0;
-        float l = 0.0f;
-        for (int s = 0; s < nsplit; ++s) {
-            if (split_w[s] == 0.0f) continue;  // no selected entry (its part was never written), or no weight
-            l += split_w[s] * split_l[s];
-            split_w[n] = split_w[s];
-            split_at[n++] = s;
-        }
-        counted = n;
-        total = l;
-    }
-    __syncthreads();
-    const float* p = part + r * nsplit * hr + h * R;
-    for (int k = threadIdx.x; k < R; k += MEMRA_BLOCK) {
-        float sum = 0.0f;
-        for (int i = 0; i < counted; ++i) sum += split_w[i] * p[split_at[i] * hr + k];
-        out[r * hr + h * R + k] = sum / total;
-    }
+    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long hr = (long long)H * R;
+    if (id >= t * hr) return;
+    const long long r = id / hr;
+    const float* p = part + r * nsplit * hr + (id - r * hr);
+    float sum = p[0];
+    for (int s = 1; s < nsplit; ++s) sum += p[s * hr];
+    out[id] = sum;
 }

@@ -97,18 +97,18 @@ class MlaOps:
         if is_prime(t):  # a prompt: dense float32 GEMMs under the selection's mask (prime.py)
             return prime_attend(q_lat, latent, positions, scale)
         out = cp.empty((t, h, rank), cp.float32)
-        scores = cp.empty((t, h, width), cp.float32)
+        probs = cp.empty((t * h, width), cp.float32)
         per_thread = 2 if t >= SCORES_P2_ROWS else 1
         launch("mla", f"mla_scores_p{per_thread}",
                (blocks_of(width, ATT_POS * per_thread), t, blocks_of(h, ATT_HEADS)), (BLOCK,),
-               (q_lat, latent, positions, scores, i32(h), i32(rank), i32(width), f32(scale)))
+               (q_lat, latent, positions, probs, i32(h), i32(rank), i32(width), f32(scale)))
+        launch("mla", "mla_softmax", (t * h,), (BLOCK,), (probs, positions, i32(h), i32(width)))
         split = self._mix_split
         assert 0 < split <= MIX_SPLIT and split % MIX_STEP == 0, f"mix split {split}"
         nsplit = blocks_of(width, split)
-        assert 12 * nsplit <= 48 * 1024, f"mla_attend: {width} entries in {nsplit} splits, the combine holds 4096"
-        part, stats = cp.empty((t, nsplit, h, rank), cp.float32), cp.empty((t, nsplit, h, 2), cp.float32)
+        part = cp.empty((t, nsplit, h, rank), cp.float32)
         launch("mla", "mla_mix", (blocks_of(rank, MIX_CHANNELS), nsplit, t), (BLOCK,),
-               (scores, latent, positions, part, stats, i32(h), i32(rank), i32(width), i32(split)))
-        launch("mla", "mla_mix_combine", (t * h,), (BLOCK,),
-               (part, stats, out, i32(h), i32(rank), i32(nsplit)), shared_mem=12 * nsplit)
+               (probs, latent, positions, part, i32(h), i32(rank), i32(width), i32(split)))
+        launch("mla", "mla_mix_combine", (blocks_of(t * h * rank),), (BLOCK,),
+               (part, out, i32(t), i32(h), i32(rank), i32(nsplit)))
         return out

@@ -7,7 +7,6 @@
 #include "common.cuh"
 
 // The wrapper asserts conv taps K <= KDA_MAX_CONV and key dim dk <= KDA_MAX_DK.
-
 // One row of a channel's conv: the K taps in order (tap K-1 meets xr), SiLU; hist (the K-1
 // inputs before, oldest first) moves on by one.
 static __device__ __forceinline__ float conv_row(const float* wc, float* hist, float xr, int k) {
@@ -111,7 +110,8 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
     const long long at = (long long)h * dk * dv + j;  // S[0, j]
     float s[KPT];
 #pragma unroll
-    for (int m = 0; m < KPT; ++m) s[m] = active && slot_key(m, kq) < dk ? state[at + (long long)slot_key(m, kq) * dv] : 0.0f;
+    for (int m = 0; m < KPT; ++m)
+        s[m] = active && slot_key(m, kq) < dk ? state[at + (long long)slot_key(m, kq) * dv] : 0.0f;
     for (int r0 = 0; r0 < t; r0 += STAGE) {
         const int n = min(STAGE, t - r0);
         __syncthreads();  // the previous stage is read

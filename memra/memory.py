@@ -15,8 +15,8 @@ The estimate is simple on purpose, and this is all of it:
   layer with its own indexer, its key and gate rows (2 x index_head_dim) and one pool key per
   index_kpool positions; the MTP block's plane likewise when the model has one (the native
   drafter allocates it). Fixed: every KDA layer's conv ring ((K-1) x 3C) and state (Hk x dk x dk),
-  VERIFY_CAP times (the live one and the VERIFY_CAP - 1 per-row snapshots a verify walk writes
-  for its rollback; made at the first verify walk), and one verify walk's attention buffers
+  VERIFY_CAP + 1 times (the live one and the VERIFY_CAP per-row snapshots a verify walk writes
+  for its rollback and rewind; made at the first verify walk), and one verify walk's attention buffers
   (VERIFY_CAP rows x heads x index_width, scores and positions). Checked against the backend's
   free memory (`be.free_bytes()` where the backend offers it, else the host's available memory).
 * on a GPU, a prompt walk's transient buffers (prime_buffer_bytes): the device plan counts them,
@@ -217,7 +217,7 @@ def cache_parts(cfg, layers, mtp: bool) -> tuple[float, int]:
     if mtp:
         per_pos += cfg.kv_lora_rank + indexer
     kda = (cfg.linear_conv_kernel_dim - 1) * 3 * cfg.linear_dim + cfg.linear_num_heads * cfg.linear_head_dim ** 2
-    return per_pos, n_kda * kda * VERIFY_CAP  # the live ring and state, and a verify walk's snapshots
+    return per_pos, n_kda * kda * (VERIFY_CAP + 1)  # the live ring and state, and a verify walk's snapshots
 
 
 def walk_buffer_bytes(cfg) -> int:

@@ -2,8 +2,8 @@
 decay gate, and the delta-rule recurrence with its state (research/kda.md). A mixin of
 NumpyBackend (numpy_ref.py), whose silu and sigmoid it uses; the CUDA twins are in
 backend/cuda/kda.py. The stateful ops walk the rows in order and advance the ring / state in
-place, so a t-row call is t one-row calls; with `rows` they also leave the ring / state after
-each row but the last, which a verify walk's rollback copies back.
+place, so a t-row call is t one-row calls; with `rows` they also leave the ring / state before
+each row (the first: what the walk found), which a verify walk's rollback or rewind copies back.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ class NumpyKdaOps:
     def short_conv(self, x: np.ndarray, ring: np.ndarray, w: np.ndarray, rows=None, groups: int = 1) -> np.ndarray:
         """Causal depthwise conv + SiLU over t rows; ring [K-1, C] holds the previous inputs
         (oldest first) and is advanced in place. w [C, K]; tap K-1 meets the current row.
-        rows [>= t-1, K-1, C] (optional): rows[r] = the ring after row r, for r < t - 1.
+        rows [>= t, K-1, C] (optional): rows[r] = the ring before row r, for r < t.
         Returns [t, C], or with groups g > 1 [g, t, C / g]: each group of channels' rows on
         their own (KDA's q, k and v, each then contiguous)."""
         k = w.shape[1]
         out = np.empty_like(x)
         for r in range(x.shape[0]):
+            if rows is not None:
+                rows[r] = ring
             acc = w[:, 0] * (ring[0] if k > 1 else x[r])
             for j in range(1, k):
                 src = ring[j] if j < k - 1 else x[r]
@@ -33,8 +35,6 @@ class NumpyKdaOps:
             if k > 1:
                 ring[:-1] = ring[1:]
                 ring[-1] = x[r]
-            if rows is not None and r < x.shape[0] - 1:
-                rows[r] = ring
         if groups == 1:
             return out
         return np.ascontiguousarray(out.reshape(x.shape[0], groups, -1).transpose(1, 0, 2))
@@ -50,21 +50,21 @@ class NumpyKdaOps:
 
     def kda_recurrence(self, q, k, v, g, beta, state: np.ndarray, rows=None) -> np.ndarray:
         """Delta rule, rows in order, state [Hk, dk, dv] advanced in place; returns o [t, Hk, dv];
-        rows [>= t-1, Hk, dk, dv] (optional): rows[r] = the state after row r, for r < t - 1.
+        rows [>= t, Hk, dk, dv] (optional): rows[r] = the state before row r, for r < t.
 
         S <- S * exp(g)[:, None]; S += k (x) beta (v - S^T k); o = S^T q.
         """
         t, hk, _ = q.shape
         out = np.empty((t, hk, v.shape[2]), F32)
         for r in range(t):
+            if rows is not None:
+                rows[r] = state
             for h in range(hk):
                 s = state[h] * np.exp(g[r, h])[:, None]
                 delta = (v[r, h] - k[r, h] @ s) * beta[r, h]
                 s = s + np.outer(k[r, h], delta)
                 state[h] = s
                 out[r, h] = q[r, h] @ s
-            if rows is not None and r < t - 1:
-                rows[r] = state
         return out
 
     def kda_chunks(self, q, k, v, g, beta, state: np.ndarray, chunk: int = KDA_CHUNK) -> np.ndarray:

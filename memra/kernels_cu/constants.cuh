@@ -46,6 +46,9 @@
 #ifndef HC_SLOTS
 #define HC_SLOTS 4
 #endif
+#ifndef HC_ROWS
+#define HC_ROWS 4
+#endif
 #ifndef KDA_MAX_CONV
 #define KDA_MAX_CONV 16
 #endif

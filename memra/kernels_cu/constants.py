@@ -35,6 +35,7 @@ NORM_WARP_ROW = 4 * MEMRA_BLOCK
 HC_MAX_N = 8                  # streams: hc_weights holds the n x n mix in a warp, n^2 / 32 a lane
 HC_CHUNK = MEMRA_BLOCK * 8    # flattened stream elements per hc_partials block
 HC_SLOTS = 4                  # fn dots (or the sum of squares) per hc_partials block
+HC_ROWS = 4                   # rows per hc_partials block: each fn value loaded serves them all
 
 # kda.cu
 KDA_MAX_CONV = 16   # conv taps held in registers
@@ -76,6 +77,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "HC_MAX_N": HC_MAX_N,
     "HC_CHUNK": HC_CHUNK,
     "HC_SLOTS": HC_SLOTS,
+    "HC_ROWS": HC_ROWS,
     "KDA_MAX_CONV": KDA_MAX_CONV,
     "KDA_MAX_DK": KDA_MAX_DK,
     "KDA_COLS": KDA_COLS,

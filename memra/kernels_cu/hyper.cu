@@ -33,42 +33,56 @@ static __device__ void hc_normalise(float* c, int n, int a, int b, bool columns,
 static_assert(HC_CHUNK == 8 * MEMRA_BLOCK, "thread i of a chunk owns its elements 8i .. 8i + 7");
 #define HC_MAX_OUTS ((2 + HC_MAX_N) * HC_MAX_N)
 
-// grid (ceil(nD / HC_CHUNK), t, ceil(((2+n)n + 1) / HC_SLOTS)), block MEMRA_BLOCK.
+// grid (ceil(nD / HC_CHUNK), ceil(t / HC_ROWS), ceil(((2+n)n + 1) / HC_SLOTS)), block MEMRA_BLOCK.
 // part [t, chunks, outs + 1]: slot j < outs the dot with fn row j, slot outs the sum of squares.
-// Each slot: thread i's 8 products in order, the warp butterfly, the warps in order.
+// A block loads its slots' fn values once for its HC_ROWS rows (the rows' x loads issue together).
+// Each slot of a row: thread i's 8 products in order, the warp butterfly, the warps in order,
+// whichever rows share the block.
 extern "C" __global__ void hc_partials(const float* __restrict__ streams, const float* __restrict__ fn,
-                                       float* __restrict__ part, int n, int d) {
+                                       float* __restrict__ part, int t, int n, int d) {
     after_predecessor();
-    __shared__ float red[WARPS_PER_BLOCK][HC_SLOTS];
-    const int r = blockIdx.y, c = blockIdx.x, chunks = gridDim.x, nd = n * d, outs = (2 + n) * n;
+    __shared__ float red[HC_ROWS][WARPS_PER_BLOCK][HC_SLOTS];
+    const int r0 = blockIdx.y * HC_ROWS, rows = min(HC_ROWS, t - r0);
+    const int c = blockIdx.x, chunks = gridDim.x, nd = n * d, outs = (2 + n) * n;
     const int j0 = blockIdx.z * HC_SLOTS, j1 = min(j0 + HC_SLOTS, outs + 1);
     const int k0 = c * HC_CHUNK + threadIdx.x * 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const float* x = streams + (long long)r * nd;
-    float xv[8];
+    float xv[HC_ROWS][8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) xv[e] = k0 + e < nd ? x[k0 + e] : 0.0f;
-    float wv[HC_SLOTS][8];  // every slot's fn values load before the first sum waits on them
+    for (int r = 0; r < HC_ROWS; ++r) {
+        const float* x = streams + (long long)(r0 + r) * nd;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xv[r][e] = r < rows && k0 + e < nd ? x[k0 + e] : 0.0f;
+    }
+    float wv[HC_SLOTS][8];  // fn rows; the sum of squares' slot (w null) multiplies x by itself
+    bool squares[HC_SLOTS];
 #pragma unroll
     for (int q = 0; q < HC_SLOTS; ++q) {
         const int j = j0 + q;
         const float* w = j < outs ? fn + (long long)j * nd : nullptr;
+        squares[q] = w == nullptr;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) wv[q][e] = k0 + e < nd ? (w != nullptr ? w[k0 + e] : xv[e]) : 0.0f;
+        for (int e = 0; e < 8; ++e) wv[q][e] = w != nullptr && k0 + e < nd ? w[k0 + e] : 0.0f;
     }
 #pragma unroll
-    for (int q = 0; q < HC_SLOTS; ++q) {
-        if (j0 + q >= j1) break;  // uniform
-        float acc = 0.0f;
+    for (int r = 0; r < HC_ROWS; ++r) {
+        if (r >= rows) break;  // uniform
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc += wv[q][e] * xv[e];
-        acc = hc_warp_sum(acc);
-        if (lane == 0) red[warp][q] = acc;
+        for (int q = 0; q < HC_SLOTS; ++q) {
+            if (j0 + q >= j1) break;  // uniform
+            float acc = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc += (squares[q] ? xv[r][e] : wv[q][e]) * xv[r][e];
+            acc = hc_warp_sum(acc);
+            if (lane == 0) red[r][warp][q] = acc;
+        }
     }
     __syncthreads();
-    for (int j = j0 + threadIdx.x; j < j1; j += MEMRA_BLOCK) {
-        float sum = red[0][j - j0];
-        for (int v = 1; v < WARPS_PER_BLOCK; ++v) sum += red[v][j - j0];
-        part[((long long)r * chunks + c) * (outs + 1) + j] = sum;
+    const int slots = j1 - j0;
+    for (int i = threadIdx.x; i < rows * slots; i += MEMRA_BLOCK) {
+        const int r = i / slots, q = i % slots;
+        float sum = red[r][0][q];
+        for (int v = 1; v < WARPS_PER_BLOCK; ++v) sum += red[r][v][q];
+        part[((long long)(r0 + r) * chunks + c) * (outs + 1) + j0 + q] = sum;
     }
 }
 

@@ -22,8 +22,9 @@ static __device__ __forceinline__ float conv_row(const float* wc, float* hist, f
 // x [t, C]; ring [K-1, C] (oldest first, advanced in place); w [C, K], tap K-1 meets the
 // current row; out = SiLU(conv), as [C / cg, t, cg]: channel ch's rows at group ch / cg (cg = C
 // for [t, C]). One thread per channel walks the rows in order.
-// rows (may be null): the ring after row r < t - 1 is written at rows + r * row_stride, so a
-// rollback to the first r + 1 rows is a copy (the ring after the last row is `ring` itself).
+// rows (may be null): the ring before row r < t is written at rows + r * row_stride, so a
+// rollback to the first r rows is a copy (r = 0: the ring the walk found; the ring after the
+// last row is `ring` itself).
 extern "C" __global__ void short_conv(const float* __restrict__ x, float* __restrict__ ring,
                                       const float* __restrict__ w, float* __restrict__ out,
                                       int t, int c, int k, int cg, float* __restrict__ rows,
@@ -36,9 +37,9 @@ extern "C" __global__ void short_conv(const float* __restrict__ x, float* __rest
     for (int j = 0; j < k - 1; ++j) hist[j] = ring[(long long)j * c + ch];
     const float* wc = w + (long long)ch * k;
     for (int r = 0; r < t; ++r) {
-        o[(long long)r * cg] = conv_row(wc, hist, x[(long long)r * c + ch], k);
-        if (rows != nullptr && r < t - 1)
+        if (rows != nullptr)
             for (int j = 0; j < k - 1; ++j) rows[r * row_stride + (long long)j * c + ch] = hist[j];
+        o[(long long)r * cg] = conv_row(wc, hist, x[(long long)r * c + ch], k);
     }
     for (int j = 0; j < k - 1; ++j) ring[(long long)j * c + ch] = hist[j];
 }
@@ -73,12 +74,69 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // slots, so kda_recurrence_k32 does a dk <= 128 walk's arithmetic exactly as k16 does.
 // The block stages STAGE rows' q, k, exp(g), v and beta in shared memory at a time: exp(g) is
 // taken once per key, not once per state entry, and a row's compute waits on no global load.
-// rows (may be null): S after row r < t - 1 is written at rows + r * row_stride ([Hk, dk, dv]),
-// so a rollback to the first r + 1 rows is a copy instead of a replay.
+// rows (may be null): S before row r < t is written at rows + r * row_stride ([Hk, dk, dv]),
+// so a rollback to the first r rows is a copy instead of a replay (r = 0: the state the walk
+// found, for a rewind).
+// The block's slab of S (dk keys x its KDA_COLS columns) moves between memory and the threads'
+// slots through shared memory (Slab), so each warp load or store is whole 128-byte key rows: a
+// thread's own slots are 8 keys x 4 columns of a warp, 16 bytes in each of 8 rows.
 constexpr int KDA_KEY_LANES = MEMRA_BLOCK / KDA_COLS;
 static_assert(KDA_KEY_LANES == 8, "a column's key lanes: 8 adjacent lanes, a 3-level xor tree");
 static_assert(KDA_MAX_DK <= KDA_KEY_LANES * 32, "kda_recurrence_k32 holds 32 keys a thread");
 constexpr int KDA_KEY_BLOCK = 16;  // keys dealt to a key lane at a time
+constexpr int KDA_SLAB_KEYS = KDA_KEY_LANES * KDA_KEY_BLOCK;  // keys of one pass through the slab
+static_assert(KDA_COLS == 32 && MEMRA_BLOCK % 32 == 0, "a slab key row is a warp's 32 lanes");
+
+// One pass of KDA_SLAB_KEYS keys: slot block b's 16 slots of key lane kq are keys
+// 128 b + 16 kq .. + 15, held at lane kq's 16 x 32 floats and 4 pad floats, so a warp's writes
+// of its 4 columns x 8 key lanes fall in 32 different banks (and a key row's reads in 32 too).
+struct Slab {
+    static constexpr int LANE = KDA_KEY_BLOCK * KDA_COLS + 4;
+    float f[KDA_KEY_LANES * LANE];
+    __device__ float& at(int kq, int i, int c) { return f[kq * LANE + i * KDA_COLS + c]; }
+    __device__ float& key(int key, int c) { return at(key / KDA_KEY_BLOCK, key % KDA_KEY_BLOCK, c); }
+};
+
+// s (the thread's KPT slots of column c, key lane kq) -> S [dk, dv] at columns j0.., from `sh`
+// by whole key rows. Call with the whole block.
+template <int KPT>
+static __device__ void store_slab(const float (&s)[KPT], Slab& sh, float* dst, int dk, int dv, int j0,
+                                  int c, int kq) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int b = 0; b < KPT / KDA_KEY_BLOCK; ++b) {
+        __syncthreads();  // the previous pass is read
+#pragma unroll
+        for (int i = 0; i < KDA_KEY_BLOCK; ++i) sh.at(kq, i, c) = s[KDA_KEY_BLOCK * b + i];
+        __syncthreads();
+        for (int key = warp; key < KDA_SLAB_KEYS; key += MEMRA_BLOCK / 32) {
+            const int row = KDA_SLAB_KEYS * b + key;
+            if (row < dk && j0 + lane < dv) dst[(long long)row * dv + j0 + lane] = sh.key(key, lane);
+        }
+    }
+}
+
+// S [dk, dv] at columns j0.. -> s (zeros past dk or dv), by whole key rows; with `copy`, the
+// same rows are written there too (a walk's snapshot of the state it found). Whole block.
+template <int KPT>
+static __device__ void load_slab(float (&s)[KPT], Slab& sh, const float* src, float* copy, int dk, int dv,
+                                 int j0, int c, int kq) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int b = 0; b < KPT / KDA_KEY_BLOCK; ++b) {
+        __syncthreads();  // the previous pass is read
+        for (int key = warp; key < KDA_SLAB_KEYS; key += MEMRA_BLOCK / 32) {
+            const int row = KDA_SLAB_KEYS * b + key;
+            const long long at = (long long)row * dv + j0 + lane;
+            const float v = row < dk && j0 + lane < dv ? src[at] : 0.0f;
+            if (copy != nullptr && row < dk && j0 + lane < dv) copy[at] = v;
+            sh.key(key, lane) = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < KDA_KEY_BLOCK; ++i) s[KDA_KEY_BLOCK * b + i] = sh.at(kq, i, c);
+    }
+}
 
 // The key of slot m of key lane kq.
 static __device__ __forceinline__ int slot_key(int m, int kq) {
@@ -104,14 +162,14 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
     static_assert(KPT % KDA_KEY_BLOCK == 0 && (LANE / 4) % 2 == 1, "float4 reads, conflict-free across the key lanes");
     __shared__ __align__(16) float sq[STAGE][ROW], sk[STAGE][ROW], se[STAGE][ROW];
     __shared__ float sv[STAGE][KDA_COLS], sb[STAGE];
+    __shared__ Slab slab;
     const int h = blockIdx.x, c = threadIdx.x / KDA_KEY_LANES, kq = threadIdx.x % KDA_KEY_LANES;
     const int j0 = blockIdx.y * KDA_COLS, j = j0 + c;
-    const bool active = j < dv, snapping = rows != nullptr && t > 1;
-    const long long at = (long long)h * dk * dv + j;  // S[0, j]
+    const bool active = j < dv;
+    float* const head = state + (long long)h * dk * dv;  // S of head h; a snapshot's at the same offset
+    float* const snaps = rows == nullptr ? nullptr : rows + (long long)h * dk * dv;
     float s[KPT];
-#pragma unroll
-    for (int m = 0; m < KPT; ++m)
-        s[m] = active && slot_key(m, kq) < dk ? state[at + (long long)slot_key(m, kq) * dv] : 0.0f;
+    load_slab<KPT>(s, slab, head, snaps, dk, dv, j0, c, kq);
     for (int r0 = 0; r0 < t; r0 += STAGE) {
         const int n = min(STAGE, t - r0);
         __syncthreads();  // the previous stage is read
@@ -167,19 +225,11 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
             qs = key_lanes_sum(qs);
             const int row = r0 + r;
             if (active && kq == 0) out[((long long)row * hk + h) * dv + j] = qs;
-            if (snapping && active && row < t - 1) {
-                float* snap = rows + row * row_stride + at;
-#pragma unroll
-                for (int m = 0; m < KPT; ++m)
-                    if (slot_key(m, kq) < dk) snap[(long long)slot_key(m, kq) * dv] = s[m];
-            }
+            if (snaps != nullptr && row + 1 < t)  // uniform: the block stores whole key rows
+                store_slab<KPT>(s, slab, snaps + (row + 1) * row_stride, dk, dv, j0, c, kq);
         }
     }
-    if (active) {
-#pragma unroll
-        for (int m = 0; m < KPT; ++m)
-            if (slot_key(m, kq) < dk) state[at + (long long)slot_key(m, kq) * dv] = s[m];
-    }
+    store_slab<KPT>(s, slab, head, dk, dv, j0, c, kq);
 }
 
 #define KDA_RECURRENCE(NAME, KPT, STAGE)                                                              \
@@ -191,7 +241,7 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
         after_predecessor();                                                                          \
         kda_rows<KPT, STAGE>(q, k, v, g, beta, state, out, t, hk, dk, dv, rows, row_stride);          \
     }
-KDA_RECURRENCE(kda_recurrence_k16, 16, 16)  // dk <= 128 (every KDA checkpoint so far): a verify walk in one stage
+KDA_RECURRENCE(kda_recurrence_k16, 16, VERIFY_CAP)  // dk <= 128 (every KDA checkpoint so far): a verify walk in one stage
 KDA_RECURRENCE(kda_recurrence_k32, 32, 8)   // up to KDA_MAX_DK; shared memory holds 8 rows of 256 keys
 
 // short_conv for a prompt (prime class): the rows split into spans of KDA_CONV_SPAN, a thread

@@ -20,23 +20,24 @@ from memra.errors import ResidencyError
 class KdaPart:
     """The KDA layers of one cache part (a whole trunk, or one pipeline stage): their live rings
     and states side by side, and what a verify walk writes for a rollback: ring_rows[r] and
-    state_rows[r] are every layer's ring and state after row r of the walk (r < t - 1). A
-    rollback to keep rows is then two copies, whatever the layer count. Why snapshots and not a
-    replay of the kept rows (README, Performance): they cost VERIFY_CAP - 1 states of memory a
-    layer and t - 1 state writes a verify walk; the replay cost a recurrence launch and its host
-    round trips a layer: 1.5-1.65 ms a rollback on `bench-dense` against 0.07-0.13 ms."""
+    state_rows[r] are every layer's ring and state before row r of the walk (r < t; r = 0 is
+    what the walk found, for a rewind). A rollback to keep rows is then two copies, whatever the
+    layer count. Why snapshots and not a replay of the kept rows (README, Performance): they
+    cost VERIFY_CAP states of memory a layer and t state writes a verify walk, written by the
+    kernels as they walk; the replay cost a recurrence launch and its host round trips a layer:
+    1.5-1.65 ms a rollback on `bench-dense` against 0.07-0.13 ms."""
 
     layers: tuple               # trunk layer indices, in slot order
     ring: object                # [n, K-1, 3C]
     state: object               # [n, Hk, dk, dv] float32
-    ring_rows: object = None    # [VERIFY_CAP - 1, n, K-1, 3C], made by the first verify walk
-    state_rows: object = None   # [VERIFY_CAP - 1, n, Hk, dk, dv]
+    ring_rows: object = None    # [VERIFY_CAP, n, K-1, 3C], made by the first verify walk
+    state_rows: object = None   # [VERIFY_CAP, n, Hk, dk, dv]
 
     def restore(self, keep: int, be) -> None:
-        """Every layer back to `keep` rows into the last verify walk (1 <= keep < its t): two
-        in-place copies on backend `be`."""
-        be.assign(self.ring, self.ring_rows[keep - 1])
-        be.assign(self.state, self.state_rows[keep - 1])
+        """Every layer back to `keep` rows into the last verify walk (0 <= keep < its t; 0: where
+        the walk found them): two in-place copies on backend `be`."""
+        be.assign(self.ring, self.ring_rows[keep])
+        be.assign(self.state, self.state_rows[keep])
 
 
 @dataclass
@@ -47,7 +48,7 @@ class KdaState:
     slot: int = 0  # this layer's index in its part
 
     def snapshots(self) -> tuple:
-        """(ring rows, state rows) of this layer: [VERIFY_CAP - 1, ...] strided views."""
+        """(ring rows, state rows) of this layer: [VERIFY_CAP, ...] strided views."""
         return self.part.ring_rows[:, self.slot], self.part.state_rows[:, self.slot]
 
 
@@ -115,7 +116,6 @@ class VerifyCkpt:
     pos: int                       # cache.pos before the walk
     rows: int                      # t, the walk's row count
     latent_len: dict[int, int]     # each DSA plane's length before the walk
-    kda: dict[int, dict]           # per KDA layer: its ring and state before the walk (rewind)
     taps: dict[int, object] = field(default_factory=dict)  # layer -> contracted rows [t, D]
     spent: bool = False
 

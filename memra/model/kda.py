@@ -46,24 +46,21 @@ class KdaMixer:
     def new_snapshots(self, part: KdaPart) -> None:
         """The per-row snapshot buffers a verify walk writes (made once, at the first one)."""
         if part.state_rows is None:
-            n, cap = len(part.layers), VERIFY_CAP - 1
+            n, cap = len(part.layers), VERIFY_CAP
             part.ring_rows = self.be.zeros((cap, n, *self._ring_shape()))
             part.state_rows = self.be.zeros((cap, n, self.heads, self.dk, self.dk))
 
     def _ring_shape(self) -> tuple[int, int]:
         return self.cfg.linear_conv_kernel_dim - 1, 3 * self.cfg.linear_dim
 
-    def __call__(self, x, st: KdaState, stash: dict | None = None):
-        """Rows x [t, D] -> [t, D], advancing the conv ring and S in place. With `stash` (a
-        verify walk), keep the pre-call ring and state (rewind) and write the ring and S after
-        each row into the layer's snapshots (rollback)."""
+    def __call__(self, x, st: KdaState, snapshots: bool = False):
+        """Rows x [t, D] -> [t, D], advancing the conv ring and S in place. With `snapshots` (a
+        verify walk), the kernels also write the ring and S before each row into the layer's
+        snapshot rows (rollback; the first row's: rewind)."""
         be, t, hk, dk = self.be, x.shape[0], self.heads, self.dk
         c = hk * dk
         raw, f_low, beta_in, gate_low = be.linears(x, (self.qkv, self.f_a, self.b_proj, self.g_a))
-        ring_rows = state_rows = None
-        if stash is not None:
-            stash.update(ring=st.ring.copy(), state=st.state.copy())
-            ring_rows, state_rows = st.snapshots()
+        ring_rows, state_rows = st.snapshots() if snapshots else (None, None)
         mixed = be.short_conv(raw, st.ring, self.conv, ring_rows, groups=3)  # [3, t, c]: q, k, v
         q = be.l2norm(mixed[0].reshape(t, hk, dk), 1e-6, scale=dk ** -0.5)
         k = be.l2norm(mixed[1].reshape(t, hk, dk), 1e-6)

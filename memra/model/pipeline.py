@@ -21,7 +21,7 @@ logits, collapsed rows and taps equal the unsplit model's bit for bit (tests/pip
 
 from __future__ import annotations
 
-from memra.config import DSA, KDA
+from memra.config import DSA
 from memra.errors import InputError
 from memra.model import hyper
 from memra.model.mtp import MtpBlock
@@ -111,48 +111,45 @@ class StagedGlm5Model(Glm5Model):
                     fn(part)
 
     # ---- the staged walk ---------------------------------------------------------------------
-    def _run_walk(self, tokens, cache, stashing: bool, tap_layers: tuple, replay: bool):
+    def _run_walk(self, tokens, cache, snapshots: bool, tap_layers: tuple, replay: bool):
         """Stage by stage (each replays its own walk shape, keyed as the unsplit walk's) ->
         what the unsplit walk returns."""
-        kda: dict = {}
         for s in range(self.placement.count):
-            out, stash, taps = self._stage_turn(s, tokens, cache, stashing, tap_layers, replay)
-            kda.update(stash or {})
+            out, taps = self._stage_turn(s, tokens, cache, snapshots, tap_layers, replay)
         logits, collapsed = out
-        return logits, collapsed, (kda if stashing else None), taps
+        return logits, collapsed, taps
 
-    def _stage_turn(self, s: int, tokens, cache, stashing: bool, tap_layers: tuple, replay: bool):
+    def _stage_turn(self, s: int, tokens, cache, snapshots: bool, tap_layers: tuple, replay: bool):
         """Stage s's turn of a walk, in its lane: receive the boundary (s > 0), walk its layers,
-        send its own boundary on (s < last) -> (its output, its KDA stash, the taps so far)."""
+        send its own boundary on (s < last) -> (its output, the taps so far)."""
         last, pos0 = self.placement.count - 1, cache.pos
-        key = (int(tokens.size), stashing, tap_layers) if replay else None
+        key = (int(tokens.size), snapshots, tap_layers) if replay else None
         with self.lanes.scope(s):
             received = self.transport.recv(s) if s else Boundary(None)
             arrays = () if s == 0 else (received.streams, *(received.selections[i] for i in self.selections_in[s]))
-            walk = lambda tok, at, *inputs: self._stage_walk(s, tok, at, inputs, cache, stashing, tap_layers)
-            out, stash, tapped, selected = cache.walks.stages[s].run(key, walk, tokens, pos0, *arrays)
+            walk = lambda tok, at, *inputs: self._stage_walk(s, tok, at, inputs, cache, snapshots, tap_layers)
+            out, tapped, selected = cache.walks.stages[s].run(key, walk, tokens, pos0, *arrays)
             taps = {**received.taps, **tapped}
             if s < last:
                 ahead = {**received.selections, **selected}
                 self.transport.send(s, Boundary(out, taps, {i: ahead[i] for i in self.selections_out[s]}))
-        return out, stash, taps
+        return out, taps
 
-    def _stage_walk(self, s: int, tokens, at, inputs: tuple, cache, stashing: bool, tap_layers: tuple):
-        """Stage s's device work -> (streams, or (logits, collapsed) on the last stage; its KDA
-        stash; its taps; the selections of its indexer layers that later stages read)."""
+    def _stage_walk(self, s: int, tokens, at, inputs: tuple, cache, snapshots: bool, tap_layers: tuple):
+        """Stage s's device work -> (streams, or (logits, collapsed) on the last stage; its
+        taps; the selections of its indexer layers that later stages read)."""
         layers = self.stage_layers[s]
         if s == 0:
             streams = hyper.expand(self.be.embed(self.first_embed, tokens), self.cfg.hc_mult)
         else:
             streams = inputs[0]
         selections = dict(zip(self.selections_in[s], inputs[1:]))
-        stash = {layer.index: {} for layer in layers if layer.kind == KDA} if stashing else None
         tapped: dict = {}
-        streams = self._walk_layers(layers, streams, at, cache, selections, stash, tap_layers, tapped)
+        streams = self._walk_layers(layers, streams, at, cache, selections, snapshots, tap_layers, tapped)
         out = self._head(streams) if s == self.placement.count - 1 else streams
         start = self.placement.ranges[s][0]
         selected = {i: selections[i] for i in self.selections_out[s] if i >= start}
-        return out, stash, tapped, selected
+        return out, tapped, selected
 
 
 def selection_routes(cfg, plan: StagePlan) -> tuple[list[tuple], list[tuple]]:

@@ -123,13 +123,13 @@ class RankedGlm5Model(StagedGlm5Model):
         self._command(REWIND, cache)
         super()._rewind_layers(layers, cache, ckpt)
 
-    def _run_walk(self, tokens, cache, stashing: bool, tap_layers: tuple, replay: bool):
+    def _run_walk(self, tokens, cache, snapshots: bool, tap_layers: tuple, replay: bool):
         """This rank's turn of the walk (the stages before it and after it run on their ranks)."""
-        self._command(WALK, cache, a=cache.pos, b=int(stashing), c=int(replay), tokens=tokens, taps=tap_layers)
-        out, stash, taps = self._stage_turn(self.rank, tokens, cache, stashing, tap_layers, replay)
+        self._command(WALK, cache, a=cache.pos, b=int(snapshots), c=int(replay), tokens=tokens, taps=tap_layers)
+        out, taps = self._stage_turn(self.rank, tokens, cache, snapshots, tap_layers, replay)
         self.walked += 1
         logits, collapsed = out if self.driver else (None, None)
-        return logits, collapsed, (stash or {}) if stashing else None, taps
+        return logits, collapsed, taps
 
     # ---- a follower ------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -185,11 +185,11 @@ class RankedGlm5Model(StagedGlm5Model):
             super()._new_snapshots(self.layers, cache)
         elif kind == WALK:
             cache.pos = a
-            stash = {} if b else None
             if b:  # what this rank's rollback and rewind of the walk need: its own planes' lengths
-                cache.last_ckpt = VerifyCkpt(cache=cache, pos=a, rows=len(tokens), kda=stash, taps={},
+                cache.last_ckpt = VerifyCkpt(cache=cache, pos=a, rows=len(tokens), taps={},
                                              latent_len={i: plane.length for i, plane in cache.mla.items()})
-            self.forward_rows(tokens, cache, stash=stash, taps={t: None for t in taps} or None, replay=bool(c))
+            self.forward_rows(tokens, cache, snapshots=bool(b), taps={t: None for t in taps} or None,
+                              replay=bool(c))
         elif kind == ROLLBACK:
             ckpt = cache.last_ckpt
             super()._rollback_layers(self.layers, cache, ckpt, a)

@@ -192,10 +192,9 @@ class Glm5Model:
         ckpt = VerifyCkpt(
             cache=cache, pos=cache.pos, rows=int(tokens.size),
             latent_len={i: plane.length for i, plane in cache.mla.items()},
-            kda={i: {} for i in cache.kda},
             taps=taps,
         )
-        logits, collapsed = self.forward_rows(tokens, cache, stash=ckpt.kda, taps=ckpt.taps)
+        logits, collapsed = self.forward_rows(tokens, cache, snapshots=True, taps=ckpt.taps)
         return logits, self.be.copy(collapsed), ckpt
 
     def rollback(self, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
@@ -255,62 +254,60 @@ class Glm5Model:
         ckpt.spent = True
 
     def _rewind_layers(self, layers, cache: Cache, ckpt: VerifyCkpt) -> None:
+        for part, _ in self._kda_parts(cache, layers):
+            part.restore(0, self.be)
         for layer in layers:
-            if layer.kind == KDA:
-                st, snap = cache.kda[layer.index], ckpt.kda[layer.index]
-                st.ring[...] = snap["ring"]
-                st.state[...] = snap["state"]
-            else:
+            if layer.kind != KDA:
                 cache.mla[layer.index].truncate(ckpt.latent_len[layer.index], self.cfg.index_kpool)
 
     # ---- the walk ----------------------------------------------------------------------------
-    def forward_rows(self, tokens: np.ndarray, cache: Cache, stash: dict | None = None,
+    def forward_rows(self, tokens: np.ndarray, cache: Cache, snapshots: bool = False,
                      taps: dict | None = None, replay: bool = True):
         """One walk over t rows at positions cache.pos.. -> (logits [t, V], collapsed [t, D]);
         past VERIFY_CAP rows (a prompt) the logits are the last row's only, [1, V].
 
         Writes every state plane for the t rows; does not move cache.pos (the caller commits).
-        `stash` (layer -> dict) collects the KDA rollback material; `taps` (layer -> None) is
-        filled with each named layer's contracted output rows. With `replay` the cache's walk
-        runner may replay a captured graph of this walk shape (a prefill passes False: its
-        length varies). logits, collapsed and the stash may be the graph's buffers, which
-        the shape's next walk overwrites; taps are copies the caller keeps.
+        `snapshots`: the KDA layers also write their per-row rollback snapshots (a verify
+        walk; the cache's snapshot buffers must exist). `taps` (layer -> None) is filled with
+        each named layer's contracted output rows. With `replay` the cache's walk runner may
+        replay a captured graph of this walk shape (a prefill passes False: its length
+        varies). logits and collapsed may be the graph's buffers, which the shape's next walk
+        overwrites; taps are copies the caller keeps.
         """
         self._check_cache(cache, "forward_rows")
         be, t = self.be, int(tokens.size)
         cache.check_planes()
-        pos0, stashing, tap_layers = cache.pos, stash is not None, tuple(taps or ())
-        logits, collapsed, kda, tapped = self._run_walk(tokens, cache, stashing, tap_layers, replay)
+        pos0, tap_layers = cache.pos, tuple(taps or ())
+        logits, collapsed, tapped = self._run_walk(tokens, cache, snapshots, tap_layers, replay)
         for plane in cache.mla.values():
             plane.advance(pos0 + t, self.cfg.index_kpool)
-        if stashing:
-            stash.update(kda)
         if taps is not None:
             taps.update({layer: be.copy(rows) for layer, rows in tapped.items()})
         return logits, collapsed
 
-    def _run_walk(self, tokens, cache: Cache, stashing: bool, tap_layers: tuple, replay: bool):
-        """Run the walk through the cache's runner -> (logits, collapsed, KDA stash, taps)
+    def _run_walk(self, tokens, cache: Cache, snapshots: bool, tap_layers: tuple, replay: bool):
+        """Run the walk through the cache's runner -> (logits, collapsed, taps)
         (a pipelined model runs it stage by stage instead: model/pipeline.py)."""
-        walk = lambda tok, at: self._walk(tok, at, cache, stashing, tap_layers)
-        key = (int(tokens.size), stashing, tap_layers) if replay else None
+        walk = lambda tok, at: self._walk(tok, at, cache, snapshots, tap_layers)
+        key = (int(tokens.size), snapshots, tap_layers) if replay else None
         return cache.walks.run(key, walk, tokens, cache.pos)
 
-    def _walk(self, tokens, at, cache: Cache, stashing: bool, tap_layers: tuple):
+    def _walk(self, tokens, at, cache: Cache, snapshots: bool, tap_layers: tuple):
         """The device work of a walk, from token ids and the first position (both as the
-        backend reads them) -> (logits, collapsed, KDA stash or None, {tap layer: rows})."""
+        backend reads them) -> (logits, collapsed, {tap layer: rows})."""
         streams = hyper.expand(self.be.embed(self.embed_table, tokens), self.cfg.hc_mult)
-        stash = {i: {} for i in cache.kda} if stashing else None
         tapped: dict = {}
-        streams = self._walk_layers(self.layers, streams, at, cache, {}, stash, tap_layers, tapped)
+        streams = self._walk_layers(self.layers, streams, at, cache, {}, snapshots, tap_layers, tapped)
         logits, collapsed = self._head(streams)
-        return logits, collapsed, stash, tapped
+        return logits, collapsed, tapped
 
-    def _walk_layers(self, layers, streams, at, cache: Cache, selections: dict, stash, tap_layers, tapped: dict):
-        """`layers` in order over the streams; fills `selections` (indexer layer -> positions),
-        the KDA `stash` (None: no rollback material) and `tapped` (tap layer -> rows)."""
+    def _walk_layers(self, layers, streams, at, cache: Cache, selections: dict, snapshots: bool,
+                     tap_layers, tapped: dict):
+        """`layers` in order over the streams (with `snapshots`, the KDA layers write their
+        rollback snapshots); fills `selections` (indexer layer -> positions) and `tapped`
+        (tap layer -> rows)."""
         for layer in layers:
-            mix = lambda y: self._mix(layer, self._norm(y, layer.in_norm), cache, at, selections, stash)
+            mix = lambda y: self._mix(layer, self._norm(y, layer.in_norm), cache, at, selections, snapshots)
             streams = layer.attn_site(streams, mix)
             streams = layer.ffn_site(streams, lambda y: layer.ffn(self._norm(y, layer.post_norm)))
             if layer.index in tap_layers:
@@ -327,9 +324,9 @@ class Glm5Model:
     def _norm(self, x, w):
         return self.be.rmsnorm(x, w, self.cfg.rms_norm_eps)
 
-    def _mix(self, layer: TrunkLayer, x, cache: Cache, at, selections: dict, stash):
+    def _mix(self, layer: TrunkLayer, x, cache: Cache, at, selections: dict, snapshots: bool):
         if layer.kind == KDA:
-            return layer.mixer(x, cache.kda[layer.index], None if stash is None else stash[layer.index])
+            return layer.mixer(x, cache.kda[layer.index], snapshots)
         shared = selections.get(layer.selection_from)
         out, selections[layer.index] = layer.mixer(x, cache.mla[layer.index], at, shared)
         return out

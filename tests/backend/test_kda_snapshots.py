@@ -1,8 +1,8 @@
 """The per-row snapshots a verify walk's KDA ops write for its rollback (`rows`): on both
 backends, rows[r] of a t-row short_conv / kda_recurrence is, bit for bit, the ring / state that
-the first r + 1 rows alone leave (rows past t - 2 untouched), written through a strided view
-(one layer's slot of a part's [rows, layers, ...] buffer). Red arm: a snapshot taken before the
-row's update instead of after it is caught."""
+the first r rows alone leave (rows[0]: the one the call found, a rewind's; rows past t - 1
+untouched), written through a strided view (one layer's slot of a part's [rows, layers, ...]
+buffer). Red arm: a snapshot taken after the row's update instead of before it is caught."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _conv(be, dev, a, rows_of=None, t=T):
 @pytest.mark.parametrize("op,shape", [(_recurrence, s) for s in SHAPES] + [(_conv, SHAPES[0])],
                          ids=[f"kda_recurrence_dk{dk}_dv{dv}" for dk, dv in SHAPES] + ["short_conv"])
 @pytest.mark.parametrize("backend", _backends())
-def test_row_r_is_what_the_first_r_plus_1_rows_leave(backend, op, shape):
+def test_row_r_is_what_the_first_r_rows_leave(backend, op, shape):
     be, dev, host = _backend(backend)
     a = _inputs(T, *shape)
     sentinel = np.float32(-7.0)
@@ -66,29 +66,29 @@ def test_row_r_is_what_the_first_r_plus_1_rows_leave(backend, op, shape):
 
     final, rows = op(be, dev, a, rows_of)
     rows = host(rows)
-    for r in range(T - 1):
-        alone, _ = op(be, dev, a, t=r + 1)
+    for r in range(T):
+        alone, _ = op(be, dev, a, t=r)
         assert np.array_equal(rows[r], host(alone)), f"row {r}"
-    assert np.all(rows[T - 1:] == sentinel)  # the last row's ring / state is the live one
+    assert np.all(rows[T:] == sentinel)  # the ring / state after the last row is the live one
     assert np.array_equal(host(final), host(op(be, dev, a)[0]))  # snapshots change nothing else
 
 
-class _StaleSnapshots(NumpyBackend):
-    """The mutation: each snapshot taken before its row's update (the previous row's state)."""
+class _LateSnapshots(NumpyBackend):
+    """The mutation: each snapshot taken after its row's update (the next row's state)."""
 
     def kda_recurrence(self, q, k, v, g, beta, state, rows=None):
         out = np.empty((q.shape[0], *v.shape[1:]), np.float32)
         for r in range(q.shape[0]):
-            if rows is not None and r < q.shape[0] - 1:
-                rows[r] = state
             out[r] = super().kda_recurrence(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1], beta[r:r + 1], state)[0]
+            if rows is not None:
+                rows[r] = state
         return out
 
 
-def test_red_arm_a_snapshot_taken_before_its_row_is_caught():
+def test_red_arm_a_snapshot_taken_after_its_row_is_caught():
     a = _inputs(T)
-    rows = np.zeros((T - 1, *a["state"].shape), np.float32)
+    rows = np.zeros((T, *a["state"].shape), np.float32)
     state = a["state"].copy()
-    _StaleSnapshots().kda_recurrence(*(a[n] for n in ("q", "k", "v", "g", "beta")), state, rows)
-    alone, _ = _recurrence(NumpyBackend(), np.asarray, a, t=2)
+    _LateSnapshots().kda_recurrence(*(a[n] for n in ("q", "k", "v", "g", "beta")), state, rows)
+    alone, _ = _recurrence(NumpyBackend(), np.asarray, a, t=1)
     assert not np.array_equal(rows[1], alone)

@@ -3,7 +3,7 @@
 * A replayed walk is the eager walk, bit for bit: greedy decoding with graphs on and off gives
   identical logits at every step, across pool boundaries and the dense -> sparse kpool threshold,
   on two caches decoding in turn.
-* Verify walks of t = 1..15 rows (with the KDA stash and a tap) replay bit-identically, and a
+* Verify walks of t = 1..15 rows (with the KDA snapshots and a tap) replay bit-identically, and a
   rollback from a replayed walk leaves every state plane as the eager one does.
 * The walks really replay: a captured graph per shape once a shape is seen twice; a prefill
   never is captured.

@@ -15,7 +15,7 @@ import cupy as cp
 
 from memra.backend.cuda.prime import is_prime, prime_hc_partials
 from memra.backend.cuda.runtime import BLOCK, columns_grid, device_input, f32, i32, launch
-from memra.kernels_cu.constants import HC_CHUNK, HC_MAX_N, HC_SLOTS
+from memra.kernels_cu.constants import HC_CHUNK, HC_MAX_N, HC_ROWS, HC_SLOTS
 
 
 class HyperOps:
@@ -113,7 +113,8 @@ def _partials(streams, fn):
         return prime_hc_partials(streams, fn)
     part = cp.empty((t, (n * d + HC_CHUNK - 1) // HC_CHUNK, (2 + n) * n + 1), cp.float32)
     slots = ((2 + n) * n + 1 + HC_SLOTS - 1) // HC_SLOTS
-    launch("hyper", "hc_partials", (part.shape[1], t, slots), (BLOCK,), (streams, fn, part, i32(n), i32(d)))
+    launch("hyper", "hc_partials", (part.shape[1], (t + HC_ROWS - 1) // HC_ROWS, slots), (BLOCK,),
+           (streams, fn, part, i32(t), i32(n), i32(d)))
     return part
 
 

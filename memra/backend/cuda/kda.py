@@ -21,12 +21,12 @@ from memra.kernels_cu.constants import KDA_CHUNK_MAX_DK, KDA_COLS, KDA_CONV_SPAN
 
 def _rows(rows, t: int, shape: tuple, what: str):
     """(pointer or None, row stride in elements) of a snapshot buffer: rows[r] ([*shape],
-    C-contiguous) takes the ring / state after row r < t - 1; rows may be a strided view."""
+    C-contiguous) takes the ring / state before row r < t; rows may be a strided view."""
     if rows is None:
         return None, np.int64(0)
     assert isinstance(rows, cp.ndarray) and rows.dtype == cp.float32, f"{what}: rows must be float32 cupy"
-    assert rows.shape[1:] == shape and rows.shape[0] >= t - 1, (
-        f"{what}: rows {rows.shape}, expected [>= {t - 1}, {', '.join(map(str, shape))}]")
+    assert rows.shape[1:] == shape and rows.shape[0] >= t, (
+        f"{what}: rows {rows.shape}, expected [>= {t}, {', '.join(map(str, shape))}]")
     assert rows[0].flags.c_contiguous, f"{what}: each snapshot row must be C-contiguous"
     return rows, np.int64(rows.strides[0] // 4)
 
@@ -70,7 +70,7 @@ class KdaOps:
     def kda_recurrence(self, q, k, v, g, beta, state, rows=None):
         """Delta rule over the rows in order; state [Hk, dk, dv] float32 advances in place;
         returns o [t, Hk, dv]. Parallel over (head, value column), never over rows. rows: the
-        state after each row but the last (see _rows). A prompt (prime class, no snapshots)
+        state before each row (see _rows). A prompt (prime class, no snapshots)
         takes the chunked scan instead (kda_chunks.py)."""
         q, k, v = device_input(q, "q"), device_input(k, "k"), device_input(v, "v")
         g, beta = device_input(g, "g"), device_input(beta, "beta")

@@ -33,22 +33,22 @@ static __device__ void hc_normalise(float* c, int n, int a, int b, bool columns,
 static_assert(HC_CHUNK == 8 * MEMRA_BLOCK, "thread i of a chunk owns its elements 8i .. 8i + 7");
 #define HC_MAX_OUTS ((2 + HC_MAX_N) * HC_MAX_N)
 
-// grid (ceil(nD / HC_CHUNK), ceil(t / HC_ROWS), ceil(((2+n)n + 1) / HC_SLOTS)), block MEMRA_BLOCK.
+// grid (ceil(nD / HC_CHUNK), ceil(t / ROWS), ceil(((2+n)n + 1) / HC_SLOTS)), block MEMRA_BLOCK.
 // part [t, chunks, outs + 1]: slot j < outs the dot with fn row j, slot outs the sum of squares.
-// A block loads its slots' fn values once for its HC_ROWS rows (the rows' x loads issue together).
-// Each slot of a row: thread i's 8 products in order, the warp butterfly, the warps in order,
-// whichever rows share the block.
-extern "C" __global__ void hc_partials(const float* __restrict__ streams, const float* __restrict__ fn,
-                                       float* __restrict__ part, int t, int n, int d) {
-    after_predecessor();
-    __shared__ float red[HC_ROWS][WARPS_PER_BLOCK][HC_SLOTS];
-    const int r0 = blockIdx.y * HC_ROWS, rows = min(HC_ROWS, t - r0);
+// A block loads its slots' fn values once for its ROWS rows (the rows' x loads issue together):
+// hc_partials_r1 for one row, hc_partials_r<HC_ROWS> for more. Each slot of a row: thread i's 8
+// products in order, the warp butterfly, the warps in order, whichever rows share the block.
+template <int ROWS>
+static __device__ void partials_rows(const float* __restrict__ streams, const float* __restrict__ fn,
+                                     float* __restrict__ part, int t, int n, int d) {
+    __shared__ float red[ROWS][WARPS_PER_BLOCK][HC_SLOTS];
+    const int r0 = blockIdx.y * ROWS, rows = min(ROWS, t - r0);
     const int c = blockIdx.x, chunks = gridDim.x, nd = n * d, outs = (2 + n) * n;
     const int j0 = blockIdx.z * HC_SLOTS, j1 = min(j0 + HC_SLOTS, outs + 1);
     const int k0 = c * HC_CHUNK + threadIdx.x * 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float xv[HC_ROWS][8];
+    float xv[ROWS][8];
 #pragma unroll
-    for (int r = 0; r < HC_ROWS; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
         const float* x = streams + (long long)(r0 + r) * nd;
 #pragma unroll
         for (int e = 0; e < 8; ++e) xv[r][e] = r < rows && k0 + e < nd ? x[k0 + e] : 0.0f;
@@ -64,7 +64,7 @@ extern "C" __global__ void hc_partials(const float* __restrict__ streams, const 
         for (int e = 0; e < 8; ++e) wv[q][e] = w != nullptr && k0 + e < nd ? w[k0 + e] : 0.0f;
     }
 #pragma unroll
-    for (int r = 0; r < HC_ROWS; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
         if (r >= rows) break;  // uniform
 #pragma unroll
         for (int q = 0; q < HC_SLOTS; ++q) {
@@ -85,6 +85,17 @@ extern "C" __global__ void hc_partials(const float* __restrict__ streams, const 
         part[((long long)(r0 + r) * chunks + c) * (outs + 1) + j0 + q] = sum;
     }
 }
+
+#define HC_PARTIALS(ROWS)                                                                          \
+    extern "C" __global__ void hc_partials_r##ROWS(const float* __restrict__ streams,              \
+                                                   const float* __restrict__ fn,                   \
+                                                   float* __restrict__ part, int t, int n, int d) { \
+        after_predecessor();                                                                       \
+        partials_rows<ROWS>(streams, fn, part, t, n, d);                                           \
+    }
+HC_PARTIALS(1)
+HC_PARTIALS(4)
+static_assert(HC_ROWS == 4, "the host launches hc_partials_r1 or hc_partials_r<HC_ROWS>");
 
 // Slot j of a row's partials p [chunks, outs + 1], its chunks added in order.
 static __device__ __forceinline__ float hc_slot_sum(const float* p, int j, int chunks, int outs) {

@@ -36,10 +36,12 @@ extern "C" __global__ void short_conv(const float* __restrict__ x, float* __rest
     float hist[KDA_MAX_CONV];
     for (int j = 0; j < k - 1; ++j) hist[j] = ring[(long long)j * c + ch];
     const float* wc = w + (long long)ch * k;
+    if (rows != nullptr)
+        for (int j = 0; j < k - 1; ++j) rows[(long long)j * c + ch] = hist[j];
     for (int r = 0; r < t; ++r) {
-        if (rows != nullptr)
-            for (int j = 0; j < k - 1; ++j) rows[r * row_stride + (long long)j * c + ch] = hist[j];
         o[(long long)r * cg] = conv_row(wc, hist, x[(long long)r * c + ch], k);
+        if (rows != nullptr && r + 1 < t)
+            for (int j = 0; j < k - 1; ++j) rows[(r + 1) * row_stride + (long long)j * c + ch] = hist[j];
     }
     for (int j = 0; j < k - 1; ++j) ring[(long long)j * c + ch] = hist[j];
 }
@@ -77,9 +79,9 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // rows (may be null): S before row r < t is written at rows + r * row_stride ([Hk, dk, dv]),
 // so a rollback to the first r rows is a copy instead of a replay (r = 0: the state the walk
 // found, for a rewind).
-// The block's slab of S (dk keys x its KDA_COLS columns) moves between memory and the threads'
-// slots through shared memory (Slab), so each warp load or store is whole 128-byte key rows: a
-// thread's own slots are 8 keys x 4 columns of a warp, 16 bytes in each of 8 rows.
+// A snapshot leaves the threads' slots through shared memory (Slab), so each warp store is whole
+// 128-byte key rows; a warp's slots are 4 columns x 8 key lanes, 16 bytes in each of 8 rows (the
+// live state's one load and one store keep that pattern: a snapshot is a store a row).
 constexpr int KDA_KEY_LANES = MEMRA_BLOCK / KDA_COLS;
 static_assert(KDA_KEY_LANES == 8, "a column's key lanes: 8 adjacent lanes, a 3-level xor tree");
 static_assert(KDA_MAX_DK <= KDA_KEY_LANES * 32, "kda_recurrence_k32 holds 32 keys a thread");
@@ -116,28 +118,6 @@ static __device__ void store_slab(const float (&s)[KPT], Slab& sh, float* dst, i
     }
 }
 
-// S [dk, dv] at columns j0.. -> s (zeros past dk or dv), by whole key rows; with `copy`, the
-// same rows are written there too (a walk's snapshot of the state it found). Whole block.
-template <int KPT>
-static __device__ void load_slab(float (&s)[KPT], Slab& sh, const float* src, float* copy, int dk, int dv,
-                                 int j0, int c, int kq) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-    for (int b = 0; b < KPT / KDA_KEY_BLOCK; ++b) {
-        __syncthreads();  // the previous pass is read
-        for (int key = warp; key < KDA_SLAB_KEYS; key += MEMRA_BLOCK / 32) {
-            const int row = KDA_SLAB_KEYS * b + key;
-            const long long at = (long long)row * dv + j0 + lane;
-            const float v = row < dk && j0 + lane < dv ? src[at] : 0.0f;
-            if (copy != nullptr && row < dk && j0 + lane < dv) copy[at] = v;
-            sh.key(key, lane) = v;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < KDA_KEY_BLOCK; ++i) s[KDA_KEY_BLOCK * b + i] = sh.at(kq, i, c);
-    }
-}
-
 // The key of slot m of key lane kq.
 static __device__ __forceinline__ int slot_key(int m, int kq) {
     return KDA_KEY_BLOCK * (KDA_KEY_LANES * (m / KDA_KEY_BLOCK) + kq) + m % KDA_KEY_BLOCK;
@@ -166,10 +146,13 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
     const int h = blockIdx.x, c = threadIdx.x / KDA_KEY_LANES, kq = threadIdx.x % KDA_KEY_LANES;
     const int j0 = blockIdx.y * KDA_COLS, j = j0 + c;
     const bool active = j < dv;
-    float* const head = state + (long long)h * dk * dv;  // S of head h; a snapshot's at the same offset
-    float* const snaps = rows == nullptr ? nullptr : rows + (long long)h * dk * dv;
+    float* const snaps = rows == nullptr ? nullptr : rows + (long long)h * dk * dv;  // head h's S
+    const long long at = (long long)h * dk * dv + j;  // S[0, j]
     float s[KPT];
-    load_slab<KPT>(s, slab, head, snaps, dk, dv, j0, c, kq);
+#pragma unroll
+    for (int m = 0; m < KPT; ++m)
+        s[m] = active && slot_key(m, kq) < dk ? state[at + (long long)slot_key(m, kq) * dv] : 0.0f;
+    if (snaps != nullptr) store_slab<KPT>(s, slab, snaps, dk, dv, j0, c, kq);  // the state found
     for (int r0 = 0; r0 < t; r0 += STAGE) {
         const int n = min(STAGE, t - r0);
         __syncthreads();  // the previous stage is read
@@ -229,7 +212,11 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
                 store_slab<KPT>(s, slab, snaps + (row + 1) * row_stride, dk, dv, j0, c, kq);
         }
     }
-    store_slab<KPT>(s, slab, head, dk, dv, j0, c, kq);
+    if (active) {
+#pragma unroll
+        for (int m = 0; m < KPT; ++m)
+            if (slot_key(m, kq) < dk) state[at + (long long)slot_key(m, kq) * dv] = s[m];
+    }
 }
 
 #define KDA_RECURRENCE(NAME, KPT, STAGE)                                                              \

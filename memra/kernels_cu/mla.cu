@@ -128,6 +128,9 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
 //   mla_mix:         part[r, s, h, k] = sum of p[r, h, j] c_{pos[r, j]}[k] over the split's
 //                    `split` entries j (the wrapper passes MIX_SPLIT), ascending;
 //   mla_mix_combine: o[r, h, k] = sum of part[r, s, h, k] over the splits s, ascending.
+// A split with no selected entry (a short context pads the list with -1) is skipped: its sum
+// would be +0 (every p there is 0), and adding +0 changes no sum, as none is -0 (each starts
+// at +0 and x + y rounds to -0 only when both are -0), so the combine leaves it out.
 // Each value's order depends on R, W and the row's own list only, never on t, the tile or the grid.
 // In-channels staged per mla_scores step; each step waits on its loads once, so one position a
 // thread takes 128 (R = 512 in 4 waits). 256 needs so many registers that one block fits an SM,
@@ -275,8 +278,9 @@ struct MixLoads {
 // grid (ceil(R / MIX_CHANNELS), ceil(W / split), t), block MEMRA_BLOCK: the partial sums of
 // split s = blockIdx.y over its entries in order; split <= MIX_SPLIT, a multiple of MIX_STEP.
 // Thread (warp w, lane l) holds heads 8 w .. 8 w + 7 of the pass and channels kb + 4 l .. + 3.
+// filled [t, nsplit]: whether split s of row r has a selected entry (blocks x = 0 write it).
 extern "C" __global__ void mla_mix(const float* probs, const float* latent, const int* positions,
-                                   float* part, int H, int R, int W, int split) {
+                                   float* part, int* filled, int H, int R, int W, int split) {
     after_predecessor();
     __shared__ __align__(16) float cs[MIX_STEP][MIX_CHANNELS];
     __shared__ __align__(16) float pt[MIX_STEP][MIX_HEADS + 4];  // +4: float4 rows, fewer clashes
@@ -286,8 +290,14 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
     const int jn = min(split, W - js);
     const int* pos = positions + (long long)r * W;
     const float* pr = probs + (long long)r * H * W;
-    if (threadIdx.x < MIX_SPLIT) ps[threadIdx.x] = (int)threadIdx.x < jn ? pos[js + threadIdx.x] : -1;
-    __syncthreads();
+    bool any = false;
+    if (threadIdx.x < MIX_SPLIT) {
+        ps[threadIdx.x] = (int)threadIdx.x < jn ? pos[js + threadIdx.x] : -1;
+        any = ps[threadIdx.x] >= 0;
+    }
+    any = __syncthreads_or(any);  // uniform
+    if (blockIdx.x == 0 && threadIdx.x == 0) filled[r * gridDim.y + s] = any;
+    if (!any) return;
     MixLoads next;
     for (int h0 = 0; h0 < H; h0 += MIX_HEADS) {
         float acc[8][4];
@@ -339,16 +349,23 @@ extern "C" __global__ void mla_mix(const float* probs, const float* latent, cons
     }
 }
 
-// grid blocks_of(t * H * R), thread = one output: the split partials added in split order.
-extern "C" __global__ void mla_mix_combine(const float* part, float* out, int t, int H, int R,
-                                           int nsplit) {
+// grid blocks_of(t * H * R), thread = one output: the filled splits' partials added in split
+// order (+0 when none is).
+extern "C" __global__ void mla_mix_combine(const float* part, const int* filled, float* out, int t,
+                                           int H, int R, int nsplit) {
     after_predecessor();
     const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long hr = (long long)H * R;
     if (id >= t * hr) return;
     const long long r = id / hr;
     const float* p = part + r * nsplit * hr + (id - r * hr);
-    float sum = p[0];
-    for (int s = 1; s < nsplit; ++s) sum += p[s * hr];
+    const int* f = filled + r * nsplit;
+    float sum = 0.0f;
+    bool first = true;
+    for (int s = 0; s < nsplit; ++s) {
+        if (!f[s]) continue;
+        sum = first ? p[s * hr] : sum + p[s * hr];
+        first = false;
+    }
     out[id] = sum;
 }

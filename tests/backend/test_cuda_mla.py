@@ -183,6 +183,30 @@ def test_kpool_select_exact_ties_go_to_the_lower_pool():
         np.testing.assert_array_equal(cp.asnumpy(MlaOps().kpool_select(*dev)), want)
 
 
+# ---- empty mix splits -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t", [1, 8])
+def test_more_padding_past_a_short_list_changes_no_bit(t):
+    """The mix skips a split with no selected entry (its partial would be +0, which moves no sum):
+    a list padded with -1 to the bench width gives the bytes of the same list padded to the end of
+    its last filled split, and a split cut short by the width (a partial tail split) is kept."""
+    rng = np.random.default_rng(t)
+    h, rank, wide = 8, 64, 2048 + 15
+    n = [int(rng.integers(1, 3 * MIX_SPLIT)) for _ in range(t)]
+    narrow = (max(n) + MIX_SPLIT - 1) // MIX_SPLIT * MIX_SPLIT
+    pos = np.full((t, wide), -1, np.int32)
+    for r in range(t):
+        pos[r, :n[r]] = np.sort(rng.choice(4096, n[r], replace=False))
+    q, latent = cp.asarray(normal(rng, (t, h, rank))), cp.asarray(normal(rng, (4096, rank)))
+    ops, scale = MlaOps(), F32(rank ** -0.5)
+    padded = cp.asnumpy(ops.mla_attend(q, latent, cp.asarray(pos), scale))
+    short = cp.asnumpy(ops.mla_attend(q, latent, cp.asarray(pos[:, :narrow]), scale))
+    assert padded.tobytes() == short.tobytes()
+    cut = cp.asnumpy(ops.mla_attend(q, latent, cp.asarray(pos[:, :max(n)]), scale))
+    assert cut.tobytes() == short.tobytes()
+    np.testing.assert_allclose(padded, REF.mla_attend(q.get(), latent.get(), pos, scale), *TOL["mla_attend"])
+
+
 # ---- the position read from the device (what a captured walk replays) -------------------------
 
 @pytest.mark.parametrize("at, t", [(0, 1), (3, 1), (2, 6), (5, 15), (47, 15), (60, 4)])

@@ -113,7 +113,8 @@ def _partials(streams, fn):
         return prime_hc_partials(streams, fn)
     part = cp.empty((t, (n * d + HC_CHUNK - 1) // HC_CHUNK, (2 + n) * n + 1), cp.float32)
     slots = ((2 + n) * n + 1 + HC_SLOTS - 1) // HC_SLOTS
-    launch("hyper", "hc_partials", (part.shape[1], (t + HC_ROWS - 1) // HC_ROWS, slots), (BLOCK,),
+    rows = 1 if t == 1 else HC_ROWS  # rows a block: the bits do not depend on it
+    launch("hyper", f"hc_partials_r{rows}", (part.shape[1], (t + rows - 1) // rows, slots), (BLOCK,),
            (streams, fn, part, i32(t), i32(n), i32(d)))
     return part
 

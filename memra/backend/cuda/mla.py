@@ -106,9 +106,9 @@ class MlaOps:
         split = self._mix_split
         assert 0 < split <= MIX_SPLIT and split % MIX_STEP == 0, f"mix split {split}"
         nsplit = blocks_of(width, split)
-        part = cp.empty((t, nsplit, h, rank), cp.float32)
+        part, filled = cp.empty((t, nsplit, h, rank), cp.float32), cp.empty((t, nsplit), cp.int32)
         launch("mla", "mla_mix", (blocks_of(rank, MIX_CHANNELS), nsplit, t), (BLOCK,),
-               (probs, latent, positions, part, i32(h), i32(rank), i32(width), i32(split)))
+               (probs, latent, positions, part, filled, i32(h), i32(rank), i32(width), i32(split)))
         launch("mla", "mla_mix_combine", (blocks_of(t * h * rank),), (BLOCK,),
-               (part, out, i32(t), i32(h), i32(rank), i32(nsplit)))
+               (part, filled, out, i32(t), i32(h), i32(rank), i32(nsplit)))
         return out

@@ -38,6 +38,17 @@ static_assert(HC_CHUNK == 8 * MEMRA_BLOCK, "thread i of a chunk owns its element
 // A block loads its slots' fn values once for its ROWS rows (the rows' x loads issue together):
 // hc_partials_r1 for one row, hc_partials_r<HC_ROWS> for more. Each slot of a row: thread i's 8
 // products in order, the warp butterfly, the warps in order, whichever rows share the block.
+// v = p[k0 .. k0 + 7], zeros at and past n (n = 0: a missing row); vec: 16-byte loads allowed.
+static __device__ __forceinline__ void load8(const float* p, int k0, int n, bool vec, float (&v)[8]) {
+    if (vec && k0 + 8 <= n) {
+        const float4 a = *reinterpret_cast<const float4*>(p + k0), b = *reinterpret_cast<const float4*>(p + k0 + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = k0 + e < n ? p[k0 + e] : 0.0f;
+}
+
 template <int ROWS>
 static __device__ void partials_rows(const float* __restrict__ streams, const float* __restrict__ fn,
                                      float* __restrict__ part, int t, int n, int d) {
@@ -46,22 +57,20 @@ static __device__ void partials_rows(const float* __restrict__ streams, const fl
     const int c = blockIdx.x, chunks = gridDim.x, nd = n * d, outs = (2 + n) * n;
     const int j0 = blockIdx.z * HC_SLOTS, j1 = min(j0 + HC_SLOTS, outs + 1);
     const int k0 = c * HC_CHUNK + threadIdx.x * 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // 8 elements a thread: two 16-byte loads where the rows allow (the same values either way)
+    const bool vec = nd % 8 == 0 && reinterpret_cast<unsigned long long>(streams) % 16 == 0 &&
+                     reinterpret_cast<unsigned long long>(fn) % 16 == 0;
     float xv[ROWS][8];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const float* x = streams + (long long)(r0 + r) * nd;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) xv[r][e] = r < rows && k0 + e < nd ? x[k0 + e] : 0.0f;
-    }
-    float wv[HC_SLOTS][8];  // fn rows; the sum of squares' slot (w null) multiplies x by itself
+    for (int r = 0; r < ROWS; ++r)
+        load8(streams + (long long)(r0 + r) * nd, k0, r < rows ? nd : 0, vec, xv[r]);
+    float wv[HC_SLOTS][8];  // fn rows; the sum of squares' slot (no fn row) multiplies x by itself
     bool squares[HC_SLOTS];
 #pragma unroll
     for (int q = 0; q < HC_SLOTS; ++q) {
         const int j = j0 + q;
-        const float* w = j < outs ? fn + (long long)j * nd : nullptr;
-        squares[q] = w == nullptr;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) wv[q][e] = w != nullptr && k0 + e < nd ? w[k0 + e] : 0.0f;
+        squares[q] = j >= outs;
+        load8(fn + (long long)min(j, outs - 1) * nd, k0, squares[q] ? 0 : nd, vec, wv[q]);
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {

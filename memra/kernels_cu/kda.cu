@@ -38,10 +38,18 @@ extern "C" __global__ void short_conv(const float* __restrict__ x, float* __rest
     const float* wc = w + (long long)ch * k;
     if (rows != nullptr)
         for (int j = 0; j < k - 1; ++j) rows[(long long)j * c + ch] = hist[j];
-    for (int r = 0; r < t; ++r) {
-        o[(long long)r * cg] = conv_row(wc, hist, x[(long long)r * c + ch], k);
-        if (rows != nullptr && r + 1 < t)
-            for (int j = 0; j < k - 1; ++j) rows[(r + 1) * row_stride + (long long)j * c + ch] = hist[j];
+    for (int r0 = 0; r0 < t; r0 += VERIFY_CAP) {  // more than VERIFY_CAP rows only in a prompt
+        float xs[VERIFY_CAP];  // the rows' inputs load at once: one memory latency, not one a row
+#pragma unroll
+        for (int i = 0; i < VERIFY_CAP; ++i) xs[i] = r0 + i < t ? x[(long long)(r0 + i) * c + ch] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < VERIFY_CAP; ++i) {
+            const int r = r0 + i;
+            if (r >= t) break;
+            o[(long long)r * cg] = conv_row(wc, hist, xs[i], k);
+            if (rows != nullptr && r + 1 < t)
+                for (int j = 0; j < k - 1; ++j) rows[(r + 1) * row_stride + (long long)j * c + ch] = hist[j];
+        }
     }
     for (int j = 0; j < k - 1; ++j) ring[(long long)j * c + ch] = hist[j];
 }

@@ -16,9 +16,10 @@ The estimate is simple on purpose, and this is all of it:
   index_kpool positions; the MTP block's plane likewise when the model has one (the native
   drafter allocates it). Fixed: every KDA layer's conv ring ((K-1) x 3C) and state (Hk x dk x dk),
   VERIFY_CAP + 1 times (the live one and the VERIFY_CAP per-row snapshots a verify walk writes
-  for its rollback and rewind; made at the first verify walk), and one verify walk's attention buffers
-  (VERIFY_CAP rows x heads x index_width, scores and positions). Checked against the backend's
-  free memory (`be.free_bytes()` where the backend offers it, else the host's available memory).
+  for its rollback and rewind; made at the first verify walk), and one verify walk's attention
+  buffers (VERIFY_CAP rows x heads x index_width, scores and positions). Checked against the
+  backend's free memory (`be.free_bytes()` where the backend offers it, else the host's available
+  memory).
 * on a GPU, a prompt walk's transient buffers (prime_buffer_bytes): the device plan counts them,
   the cache check above does not (they come and go with each prompt).
 

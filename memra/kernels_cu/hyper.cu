@@ -33,15 +33,11 @@ static __device__ void hc_normalise(float* c, int n, int a, int b, bool columns,
 static_assert(HC_CHUNK == 8 * MEMRA_BLOCK, "thread i of a chunk owns its elements 8i .. 8i + 7");
 #define HC_MAX_OUTS ((2 + HC_MAX_N) * HC_MAX_N)
 
-// grid (ceil(nD / HC_CHUNK), ceil(t / ROWS), ceil(((2+n)n + 1) / HC_SLOTS)), block MEMRA_BLOCK.
-// part [t, chunks, outs + 1]: slot j < outs the dot with fn row j, slot outs the sum of squares.
-// A block loads its slots' fn values once for its ROWS rows (the rows' x loads issue together):
-// hc_partials_r1 for one row, hc_partials_r<HC_ROWS> for more. Each slot of a row: thread i's 8
-// products in order, the warp butterfly, the warps in order, whichever rows share the block.
 // v = p[k0 .. k0 + 7], zeros at and past n (n = 0: a missing row); vec: 16-byte loads allowed.
 static __device__ __forceinline__ void load8(const float* p, int k0, int n, bool vec, float (&v)[8]) {
     if (vec && k0 + 8 <= n) {
-        const float4 a = *reinterpret_cast<const float4*>(p + k0), b = *reinterpret_cast<const float4*>(p + k0 + 4);
+        const float4 a = *reinterpret_cast<const float4*>(p + k0);
+        const float4 b = *reinterpret_cast<const float4*>(p + k0 + 4);
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
         return;
     }
@@ -49,6 +45,11 @@ static __device__ __forceinline__ void load8(const float* p, int k0, int n, bool
     for (int e = 0; e < 8; ++e) v[e] = k0 + e < n ? p[k0 + e] : 0.0f;
 }
 
+// grid (ceil(nD / HC_CHUNK), ceil(t / ROWS), ceil(((2+n)n + 1) / HC_SLOTS)), block MEMRA_BLOCK.
+// part [t, chunks, outs + 1]: slot j < outs the dot with fn row j, slot outs the sum of squares.
+// A block loads its slots' fn values once for its ROWS rows (the rows' x loads issue together):
+// hc_partials_r1 for one row, hc_partials_r<HC_ROWS> for more. Each slot of a row: thread i's 8
+// products in order, the warp butterfly, the warps in order, whichever rows share the block.
 template <int ROWS>
 static __device__ void partials_rows(const float* __restrict__ streams, const float* __restrict__ fn,
                                      float* __restrict__ part, int t, int n, int d) {

@@ -39,7 +39,7 @@ extern "C" __global__ void short_conv(const float* __restrict__ x, float* __rest
     if (rows != nullptr)
         for (int j = 0; j < k - 1; ++j) rows[(long long)j * c + ch] = hist[j];
     for (int r0 = 0; r0 < t; r0 += VERIFY_CAP) {  // more than VERIFY_CAP rows only in a prompt
-        float xs[VERIFY_CAP];  // the rows' inputs load at once: one memory latency, not one a row
+        float xs[VERIFY_CAP];  // the rows' inputs load together, before the first row's conv
 #pragma unroll
         for (int i = 0; i < VERIFY_CAP; ++i) xs[i] = r0 + i < t ? x[(long long)(r0 + i) * c + ch] : 0.0f;
 #pragma unroll
@@ -236,7 +236,8 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
         after_predecessor();                                                                          \
         kda_rows<KPT, STAGE>(q, k, v, g, beta, state, out, t, hk, dk, dv, rows, row_stride);          \
     }
-KDA_RECURRENCE(kda_recurrence_k16, 16, VERIFY_CAP)  // dk <= 128 (every KDA checkpoint so far): a verify walk in one stage
+// dk <= 128 (every KDA checkpoint so far): a verify walk in one stage
+KDA_RECURRENCE(kda_recurrence_k16, 16, VERIFY_CAP)
 KDA_RECURRENCE(kda_recurrence_k32, 32, 8)   // up to KDA_MAX_DK; shared memory holds 8 rows of 256 keys
 
 // short_conv for a prompt (prime class): the rows split into spans of KDA_CONV_SPAN, a thread

@@ -100,9 +100,6 @@ class StagedGlm5Model(Glm5Model):
     def _rollback_layers(self, layers, cache, ckpt, keep: int) -> None:
         self._by_stage(layers, lambda part: super(StagedGlm5Model, self)._rollback_layers(part, cache, ckpt, keep))
 
-    def _rewind_layers(self, layers, cache, ckpt) -> None:
-        self._by_stage(layers, lambda part: super(StagedGlm5Model, self)._rewind_layers(part, cache, ckpt))
-
     def _by_stage(self, layers, fn) -> None:
         for s in range(self.placement.count):
             part = [layer for layer in layers if self.placement.stage_of(layer.index) == s]

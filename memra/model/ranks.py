@@ -42,7 +42,7 @@ from memra.model.stages import StagePlan
 from memra.model.transport import lanes_for
 from memra.model.trunk import Glm5Model, TrunkLayer, VerifyCkpt
 
-NEW, SNAPSHOTS, WALK, ROLLBACK, REWIND, STOP = range(6)
+NEW, SNAPSHOTS, WALK, ROLLBACK, STOP = range(5)  # a rewind is a rollback to 0 rows
 COMMAND_WORDS = 8  # kind, cache id, a, b, c, token count, tap count, freed cache count
 
 
@@ -119,10 +119,6 @@ class RankedGlm5Model(StagedGlm5Model):
         self._command(ROLLBACK, cache, a=keep)
         super()._rollback_layers(layers, cache, ckpt, keep)
 
-    def _rewind_layers(self, layers, cache, ckpt) -> None:
-        self._command(REWIND, cache)
-        super()._rewind_layers(layers, cache, ckpt)
-
     def _run_walk(self, tokens, cache, snapshots: bool, tap_layers: tuple, replay: bool):
         """This rank's turn of the walk (the stages before it and after it run on their ranks)."""
         self._command(WALK, cache, a=cache.pos, b=int(snapshots), c=int(replay), tokens=tokens, taps=tap_layers)
@@ -194,10 +190,6 @@ class RankedGlm5Model(StagedGlm5Model):
             ckpt = cache.last_ckpt
             super()._rollback_layers(self.layers, cache, ckpt, a)
             cache.pos = ckpt.pos + a
-        elif kind == REWIND:
-            ckpt = cache.last_ckpt
-            super()._rewind_layers(self.layers, cache, ckpt)
-            cache.pos = ckpt.pos
 
 
 def stage_tensors(cfg, plan: StagePlan, rank: int):

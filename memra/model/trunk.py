@@ -220,6 +220,7 @@ class Glm5Model:
         ckpt.spent = True
 
     def _rollback_layers(self, layers, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
+        """`layers`' planes back to `keep` rows into the walk (0: where it found them, a rewind)."""
         if keep < ckpt.rows:
             for part, _ in self._kda_parts(cache, layers):
                 part.restore(keep, self.be)
@@ -249,16 +250,9 @@ class Glm5Model:
                 f"{cache.pos}{', already rewound' if ckpt.spent and kept == 0 else ''}); rewind once, "
                 "right after its verify_rows or its rollback"
             )
-        self._rewind_layers(self.layers, cache, ckpt)
+        self._rollback_layers(self.layers, cache, ckpt, 0)
         cache.pos = ckpt.pos
         ckpt.spent = True
-
-    def _rewind_layers(self, layers, cache: Cache, ckpt: VerifyCkpt) -> None:
-        for part, _ in self._kda_parts(cache, layers):
-            part.restore(0, self.be)
-        for layer in layers:
-            if layer.kind != KDA:
-                cache.mla[layer.index].truncate(ckpt.latent_len[layer.index], self.cfg.index_kpool)
 
     # ---- the walk ----------------------------------------------------------------------------
     def forward_rows(self, tokens: np.ndarray, cache: Cache, snapshots: bool = False,

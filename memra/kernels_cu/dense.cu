@@ -130,7 +130,10 @@ PROJECTIONS(8, OUTS_PER_WARP_T8) PROJECTIONS(16, OUTS_PER_WARP_T16)
 // bf16 weights: the BF16_OUTS outputs of o-tile `tile` per block of MMA_THREADS, 8 NT rows per pass
 // (NT = 1 for t <= 8, else 2; the host picks, the bits do not depend on it).
 // w_stride: elements from one weight row to the next (n_in, or more for a split-K slice).
-template <int NT>
+// PREFETCH: mma_tile's two k-blocks in flight: the projection groups' 16-row tiles (at 8 rows
+// and at 1 the walk and the decode step ran slower with it; the per-head projections keep one,
+// whose registers would otherwise halve their blocks an SM).
+template <int NT, bool PREFETCH>
 static __device__ void project_bf16(const float* x, const unsigned short* w, float* y, int t,
                                     int n_in, int n_out, long long x_stride, long long y_stride,
                                     long long w_stride, int tile) {
@@ -148,7 +151,7 @@ static __device__ void project_bf16(const float* x, const unsigned short* w, flo
 #pragma unroll
         for (int n = 0; n < NT; ++n)
             xrow[n] = 8 * n + g < nr ? x + (r0 + 8 * n + g) * x_stride : nullptr;
-        mma_tile<J, NT>(wrow, xrow, n_in, w_aligned, x_aligned, sh);
+        mma_tile<J, NT, true, PREFETCH>(wrow, xrow, n_in, w_aligned, x_aligned, sh);
         for (int i = threadIdx.x; i < BF16_OUTS * nr; i += MMA_THREADS) {
             const int m = i % BF16_OUTS, n = i / BF16_OUTS;
             if (o0 + m < n_out) y[(r0 + n) * y_stride + o0 + m] = sh.tile[m][n];
@@ -162,7 +165,7 @@ static __device__ void project_bf16(const float* x, const unsigned short* w, flo
                                                       float* y, int t, int n_in, int n_out) {      \
         after_predecessor();                                                                       \
         const long long h = blockIdx.y, heads = gridDim.y;                                         \
-        project_bf16<NT>(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out,        \
+        project_bf16<NT, false>(x + h * n_in, w + h * n_out * n_in, y + h * n_out, t, n_in, n_out, \
                          heads * n_in, heads * n_out, n_in, blockIdx.x);                           \
     }
 
@@ -268,8 +271,8 @@ static __device__ void group_block(const long long* table, int members, float* y
         group_block(table, members, y, part, counters, t, n_in,                                    \
                     [&](const long long* f, float* out, int len, long long k0, int tile) {         \
                         const unsigned short* w = reinterpret_cast<const unsigned short*>(f[G_W]); \
-                        project_bf16<NT>(x + k0, w + k0, out, t, len, (int)f[G_OUT], n_in,         \
-                                         f[G_OUT], n_in, tile);                                    \
+                        project_bf16<NT, NT == 2>(x + k0, w + k0, out, t, len, (int)f[G_OUT],      \
+                                                  n_in, f[G_OUT], n_in, tile);                     \
                     });                                                                            \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS, FP8_BLOCKS)                          \

@@ -59,11 +59,14 @@ static __device__ __forceinline__ void split_pieces(const float (&v)[2 * W], uns
 // a 256-byte L2 fetch (the sectors the row's next k-steps read). Graph-timed at the bench shapes
 // it took 2-5% off the projection tiles (bf16 and FP8) and the FP8 experts, same bits; the bf16
 // expert tiles keep plain loads (4% slower with it at 8 rows, where passes re-read the weights).
+// volatile: an asm without it counts as reading no memory, so the compiler may run it ahead of
+// the bounds test that guards it (the prefetching 16-row tile did: misaligned and out-of-range
+// reads on odd shapes).
 template <bool STREAM>
 static __device__ __forceinline__ uint4 load_weights16(const void* p) {
     if constexpr (!STREAM) return *reinterpret_cast<const uint4*>(p);
     uint4 v;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
@@ -136,34 +139,73 @@ struct MmaTile {
 template <int J, int NT>
 static __device__ void mma_tile_reduce(const float (&acc)[J][NT][4], MmaTile<J, NT>& sh);
 
+// One k-block of a lane: its 16-byte weight loads and its NT rows' 8 activations at kb.
+template <int J, int NT, bool STREAM>
+static __device__ __forceinline__ void mma_loads(const unsigned short* const (&wrow)[J][2],
+                                                 const float* const (&xrow)[NT], int kb, int n_in,
+                                                 bool w_aligned, bool x_aligned, uint4 (&wv)[J][2],
+                                                 float (&xv)[NT][8]) {
+    const int q = threadIdx.x % MMA_WARP % 4;
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) wv[j][h] = load_w8<STREAM>(wrow[j][h], kb + 8 * q, n_in, w_aligned);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) load_x8(xrow[n], kb + 8 * q, n_in, x_aligned, xv[n]);
+}
+
+// One k-block's MMAs: each activation row split into its pieces, k-step 0 then 1, each step as
+// hi, mid, lo (the order the header states).
+template <int J, int NT>
+static __device__ __forceinline__ void mma_step(float (&acc)[J][NT][4], const uint4 (&wv)[J][2],
+                                                const float (&xv)[NT][8]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        unsigned p[3][4];
+        split_pieces(xv[n], p);
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int piece = 0; piece < 3; ++piece)
+#pragma unroll
+                for (int j = 0; j < J; ++j)
+                    mma_bf16(acc[j][n], word(wv[j][0], 2 * s), word(wv[j][1], 2 * s),
+                             word(wv[j][0], 2 * s + 1), word(wv[j][1], 2 * s + 1),
+                             p[piece][2 * s], p[piece][2 * s + 1]);
+    }
+}
+
 // STREAM: the kind of the weight loads (load_weights16); the bf16 expert tiles pass false.
-template <int J, int NT, bool STREAM = true>
+// PREFETCH: a k-block's loads are issued before the previous block's MMAs, so a warp keeps two
+// blocks in flight (the projection groups' 16-row tiles: 15-18% faster at the bench shapes, the
+// same bits); the expert tiles keep one (with two, their extra registers cost blocks an SM and
+// the experts ran 7-40% slower at 1, 8 and 15 rows).
+template <int J, int NT, bool STREAM = true, bool PREFETCH = false>
 static __device__ void mma_tile(const unsigned short* const (&wrow)[J][2], const float* const (&xrow)[NT],
                                 int n_in, bool w_aligned, bool x_aligned, MmaTile<J, NT>& sh) {
-    const int lane = threadIdx.x % MMA_WARP, q = lane % 4, warp = threadIdx.x / MMA_WARP;
+    const int warp = threadIdx.x / MMA_WARP, stride = MMA_SPLIT * MMA_KB;
     float acc[J][NT][4];
     mma_zero<J, NT>(acc);
-    for (int kb = warp * MMA_KB; kb < n_in; kb += MMA_SPLIT * MMA_KB) {
-        uint4 wv[J][2];
+    uint4 wv[J][2];
+    float xv[NT][8];
+    if constexpr (PREFETCH) {
+        mma_loads<J, NT, STREAM>(wrow, xrow, warp * MMA_KB, n_in, w_aligned, x_aligned, wv, xv);
+        for (int kb = warp * MMA_KB; kb < n_in; kb += stride) {
+            uint4 wn[J][2];
+            float xn[NT][8];  // past n_in: zeros, never used
+            mma_loads<J, NT, STREAM>(wrow, xrow, kb + stride, n_in, w_aligned, x_aligned, wn, xn);
+            mma_step<J, NT>(acc, wv, xv);
 #pragma unroll
-        for (int j = 0; j < J; ++j)
+            for (int j = 0; j < J; ++j) wv[j][0] = wn[j][0], wv[j][1] = wn[j][1];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) wv[j][h] = load_w8<STREAM>(wrow[j][h], kb + 8 * q, n_in, w_aligned);
+            for (int n = 0; n < NT; ++n)
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            float xv[8];
-            load_x8(xrow[n], kb + 8 * q, n_in, x_aligned, xv);
-            unsigned p[3][4];
-            split_pieces(xv, p);
-#pragma unroll
-            for (int s = 0; s < 2; ++s)
-#pragma unroll
-                for (int piece = 0; piece < 3; ++piece)
-#pragma unroll
-                    for (int j = 0; j < J; ++j)
-                        mma_bf16(acc[j][n], word(wv[j][0], 2 * s), word(wv[j][1], 2 * s),
-                                 word(wv[j][0], 2 * s + 1), word(wv[j][1], 2 * s + 1),
-                                 p[piece][2 * s], p[piece][2 * s + 1]);
+                for (int e = 0; e < 8; ++e) xv[n][e] = xn[n][e];
+        }
+    } else {
+        for (int kb = warp * MMA_KB; kb < n_in; kb += stride) {
+            mma_loads<J, NT, STREAM>(wrow, xrow, kb, n_in, w_aligned, x_aligned, wv, xv);
+            mma_step<J, NT>(acc, wv, xv);
         }
     }
     mma_tile_reduce<J, NT>(acc, sh);

@@ -1,8 +1,8 @@
 // Kimi Delta Attention kernels: causal short conv, log-decay gate, delta-rule recurrence.
-// Exact class. The stateful ops (short_conv, kda_recurrence) walk the t rows in order inside one
-// launch, parallel only over channels / (head, value column), never over rows: a t-row launch
-// then performs exactly the arithmetic of t successive one-row launches, and the ring / state
-// held in registers between rows round-trips through memory unchanged.
+// Exact class. A t-row launch performs exactly the arithmetic of t successive one-row launches:
+// kda_recurrence walks the rows in order inside one launch, parallel only over (head, value
+// column), its state held in registers between rows; short_conv's rows read only inputs (the
+// ring is the inputs before the first row), so they run side by side, each with one row's taps.
 // Semantics: NumpyBackend.short_conv / kda_gate / kda_recurrence.
 #include "common.cuh"
 
@@ -21,37 +21,47 @@ static __device__ __forceinline__ float conv_row(const float* wc, float* hist, f
 
 // x [t, C]; ring [K-1, C] (oldest first, advanced in place); w [C, K], tap K-1 meets the
 // current row; out = SiLU(conv), as [C / cg, t, cg]: channel ch's rows at group ch / cg (cg = C
-// for [t, C]). One thread per channel walks the rows in order.
+// for [t, C]). A row's conv reads only inputs (the ring holds the K-1 before row 0), so the rows
+// need not wait on each other: grid ceil(C / 32), block MEMRA_BLOCK, lane = channel of the
+// block's 32, warp v takes rows v, v + 8, ... from the inputs staged in shared memory (buf[i]:
+// input i - (K-1) of the chunk, i < K-1 the history before it). Up to VERIFY_CAP rows a chunk.
 // rows (may be null): the ring before row r < t is written at rows + r * row_stride, so a
 // rollback to the first r rows is a copy (r = 0: the ring the walk found; the ring after the
 // last row is `ring` itself).
+static_assert(VERIFY_CAP >= KDA_MAX_CONV - 1, "a chunk's last K-1 inputs are the next one's history");
 extern "C" __global__ void short_conv(const float* __restrict__ x, float* __restrict__ ring,
                                       const float* __restrict__ w, float* __restrict__ out,
                                       int t, int c, int k, int cg, float* __restrict__ rows,
                                       long long row_stride) {
     after_predecessor();
-    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= c) return;
-    float* o = out + (long long)(ch / cg) * t * cg + ch % cg;  // row r at o[r * cg]
-    float hist[KDA_MAX_CONV];
-    for (int j = 0; j < k - 1; ++j) hist[j] = ring[(long long)j * c + ch];
+    constexpr int WARPS = MEMRA_BLOCK / 32;
+    __shared__ float buf[KDA_MAX_CONV - 1 + VERIFY_CAP][32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, h = k - 1;
+    const int ch = blockIdx.x * 32 + lane;
+    const bool on = ch < c;
+    for (int j = warp; j < h; j += WARPS) buf[j][lane] = on ? ring[(long long)j * c + ch] : 0.0f;
     const float* wc = w + (long long)ch * k;
-    if (rows != nullptr)
-        for (int j = 0; j < k - 1; ++j) rows[(long long)j * c + ch] = hist[j];
-    for (int r0 = 0; r0 < t; r0 += VERIFY_CAP) {  // more than VERIFY_CAP rows only in a prompt
-        float xs[VERIFY_CAP];  // the rows' inputs load together, before the first row's conv
-#pragma unroll
-        for (int i = 0; i < VERIFY_CAP; ++i) xs[i] = r0 + i < t ? x[(long long)(r0 + i) * c + ch] : 0.0f;
-#pragma unroll
-        for (int i = 0; i < VERIFY_CAP; ++i) {
-            const int r = r0 + i;
-            if (r >= t) break;
-            o[(long long)r * cg] = conv_row(wc, hist, xs[i], k);
-            if (rows != nullptr && r + 1 < t)
-                for (int j = 0; j < k - 1; ++j) rows[(r + 1) * row_stride + (long long)j * c + ch] = hist[j];
+    float* o = out + (long long)(ch / cg) * t * cg + ch % cg;  // row r at o[r * cg]
+    int n = 0;
+    for (int r0 = 0; r0 < t; r0 += n) {  // more than VERIFY_CAP rows only in a prompt
+        if (r0 > 0) {  // the previous chunk's last h inputs become the history (n >= h: disjoint)
+            __syncthreads();
+            for (int j = warp; j < h; j += WARPS) buf[j][lane] = buf[n + j][lane];
+        }
+        n = min(VERIFY_CAP, t - r0);
+        for (int i = warp; i < n; i += WARPS) buf[h + i][lane] = on ? x[(long long)(r0 + i) * c + ch] : 0.0f;
+        __syncthreads();
+        for (int i = warp; i < n && on; i += WARPS) {
+            // conv_row's order: tap 0 (the oldest input) first, tap K-1 (row r0 + i) last
+            float acc = wc[0] * buf[i][lane];
+            for (int j = 1; j < k; ++j) acc = acc + wc[j] * buf[i + j][lane];
+            o[(long long)(r0 + i) * cg] = acc * sigmoidf_stable(acc);
+            if (rows != nullptr)
+                for (int j = 0; j < h; ++j) rows[(r0 + i) * row_stride + (long long)j * c + ch] = buf[i + j][lane];
         }
     }
-    for (int j = 0; j < k - 1; ++j) ring[(long long)j * c + ch] = hist[j];
+    __syncthreads();
+    for (int j = warp; j < h && on; j += WARPS) ring[(long long)j * c + ch] = buf[n + j][lane];
 }
 
 // g = lb * sigmoid(exp(a_log) (f + dt_bias)) when has_lb, else -exp(a_log) softplus(f + dt_bias)

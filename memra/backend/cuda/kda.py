@@ -18,6 +18,8 @@ from memra.backend.cuda.prime import is_prime
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, device_input, f32, grid_1d, i32, launch
 from memra.kernels_cu.constants import KDA_CHUNK_MAX_DK, KDA_COLS, KDA_CONV_SPAN, KDA_MAX_CONV, KDA_MAX_DK
 
+CONV_LANES = 32  # channels a short_conv block: a lane each, its rows over the warps (kda.cu)
+
 
 def _rows(rows, t: int, shape: tuple, what: str):
     """(pointer or None, row stride in elements) of a snapshot buffer: rows[r] ([*shape],
@@ -50,7 +52,7 @@ class KdaOps:
                    (x, ring, w, out, i32(t), i32(c), i32(k), i32(c // groups)))
             ring[...] = x[t - (k - 1):]  # t > VERIFY_CAP >= K - 1 rows
         elif t:
-            launch("kda", "short_conv", grid_1d(c), (BLOCK,),
+            launch("kda", "short_conv", (blocks_of(c, CONV_LANES),), (BLOCK,),
                    (x, ring, w, out, i32(t), i32(c), i32(k), i32(c // groups), snap, stride))
         return out
 

@@ -61,6 +61,9 @@
 #ifndef KDA_CONV_SPAN
 #define KDA_CONV_SPAN 64
 #endif
+#ifndef KDA_CONV_LANES
+#define KDA_CONV_LANES 32
+#endif
 #ifndef KDA_CHUNK
 #define KDA_CHUNK 16
 #endif

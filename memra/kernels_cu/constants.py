@@ -42,6 +42,7 @@ KDA_MAX_CONV = 16   # conv taps held in registers
 KDA_MAX_DK = 256    # key dim: kda_recurrence_k32's threads hold 32 keys of a state column
 KDA_COLS = 32       # state columns per kda_recurrence block: 8 threads a column (MEMRA_BLOCK / 32)
 KDA_CONV_SPAN = 64  # a prompt's short_conv rows per thread (short_conv_spans)
+KDA_CONV_LANES = 32  # short_conv: channels a block, a lane each, the walk's rows over its warps
 
 # kda_chunks.cu: a prompt's chunked delta-rule scan (prime class)
 KDA_CHUNK = 16          # rows per chunk: the in-chunk solve is KDA_CHUNK x KDA_CHUNK
@@ -82,6 +83,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "KDA_MAX_DK": KDA_MAX_DK,
     "KDA_COLS": KDA_COLS,
     "KDA_CONV_SPAN": KDA_CONV_SPAN,
+    "KDA_CONV_LANES": KDA_CONV_LANES,
     "KDA_CHUNK": KDA_CHUNK,
     "KDA_CHUNK_MAX_DK": KDA_CHUNK_MAX_DK,
     "ATT_POS": ATT_POS,

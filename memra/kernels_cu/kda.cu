@@ -7,37 +7,46 @@
 #include "common.cuh"
 
 // The wrapper asserts conv taps K <= KDA_MAX_CONV and key dim dk <= KDA_MAX_DK.
-// One row of a channel's conv: the K taps in order (tap K-1 meets xr), SiLU; hist (the K-1
-// inputs before, oldest first) moves on by one.
+// One row of a channel's conv: the K taps in order, tap j meeting input(j) (tap K-1 the row's
+// own input, tap 0 the oldest), then SiLU. Both short conv kernels take it, so the same bits.
+template <typename Input>
+static __device__ __forceinline__ float conv_silu(const float* wc, int k, Input input) {
+    float acc = wc[0] * input(0);
+    for (int j = 1; j < k; ++j) acc = acc + wc[j] * input(j);
+    return acc * sigmoidf_stable(acc);
+}
+
+// conv_silu of row input xr after hist (the K-1 inputs before, oldest first), which moves on by one.
 static __device__ __forceinline__ float conv_row(const float* wc, float* hist, float xr, int k) {
-    float acc = wc[0] * (k > 1 ? hist[0] : xr);
-    for (int j = 1; j < k; ++j) acc = acc + wc[j] * (j < k - 1 ? hist[j] : xr);
+    const float y = conv_silu(wc, k, [&](int j) { return j < k - 1 ? hist[j] : xr; });
     if (k > 1) {
         for (int j = 0; j < k - 2; ++j) hist[j] = hist[j + 1];
         hist[k - 2] = xr;
     }
-    return acc * sigmoidf_stable(acc);
+    return y;
 }
 
 // x [t, C]; ring [K-1, C] (oldest first, advanced in place); w [C, K], tap K-1 meets the
 // current row; out = SiLU(conv), as [C / cg, t, cg]: channel ch's rows at group ch / cg (cg = C
 // for [t, C]). A row's conv reads only inputs (the ring holds the K-1 before row 0), so the rows
-// need not wait on each other: grid ceil(C / 32), block MEMRA_BLOCK, lane = channel of the
-// block's 32, warp v takes rows v, v + 8, ... from the inputs staged in shared memory (buf[i]:
-// input i - (K-1) of the chunk, i < K-1 the history before it). Up to VERIFY_CAP rows a chunk.
+// need not wait on each other: grid ceil(C / KDA_CONV_LANES), block MEMRA_BLOCK, lane = channel
+// of the block's KDA_CONV_LANES, warp v takes rows v, v + 8, ... from the inputs staged in shared
+// memory (buf[i]: input i - (K-1) of the chunk, i < K-1 the history before it). Up to VERIFY_CAP
+// rows a chunk.
 // rows (may be null): the ring before row r < t is written at rows + r * row_stride, so a
 // rollback to the first r rows is a copy (r = 0: the ring the walk found; the ring after the
 // last row is `ring` itself).
 static_assert(VERIFY_CAP >= KDA_MAX_CONV - 1, "a chunk's last K-1 inputs are the next one's history");
+static_assert(KDA_CONV_LANES == 32 && MEMRA_BLOCK % 32 == 0, "short_conv: a channel a lane, rows over the warps");
 extern "C" __global__ void short_conv(const float* __restrict__ x, float* __restrict__ ring,
                                       const float* __restrict__ w, float* __restrict__ out,
                                       int t, int c, int k, int cg, float* __restrict__ rows,
                                       long long row_stride) {
     after_predecessor();
     constexpr int WARPS = MEMRA_BLOCK / 32;
-    __shared__ float buf[KDA_MAX_CONV - 1 + VERIFY_CAP][32];
+    __shared__ float buf[KDA_MAX_CONV - 1 + VERIFY_CAP][KDA_CONV_LANES];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, h = k - 1;
-    const int ch = blockIdx.x * 32 + lane;
+    const int ch = blockIdx.x * KDA_CONV_LANES + lane;
     const bool on = ch < c;
     for (int j = warp; j < h; j += WARPS) buf[j][lane] = on ? ring[(long long)j * c + ch] : 0.0f;
     const float* wc = w + (long long)ch * k;
@@ -52,10 +61,7 @@ extern "C" __global__ void short_conv(const float* __restrict__ x, float* __rest
         for (int i = warp; i < n; i += WARPS) buf[h + i][lane] = on ? x[(long long)(r0 + i) * c + ch] : 0.0f;
         __syncthreads();
         for (int i = warp; i < n && on; i += WARPS) {
-            // conv_row's order: tap 0 (the oldest input) first, tap K-1 (row r0 + i) last
-            float acc = wc[0] * buf[i][lane];
-            for (int j = 1; j < k; ++j) acc = acc + wc[j] * buf[i + j][lane];
-            o[(long long)(r0 + i) * cg] = acc * sigmoidf_stable(acc);
+            o[(long long)(r0 + i) * cg] = conv_silu(wc, k, [&](int j) { return buf[i + j][lane]; });
             if (rows != nullptr)
                 for (int j = 0; j < h; ++j) rows[(r0 + i) * row_stride + (long long)j * c + ch] = buf[i + j][lane];
         }

@@ -164,7 +164,7 @@ def test_every_recurrence_kernel_does_the_same_arithmetic(dk, dv):
 def test_a_prompts_short_conv_spans_do_the_row_walks_arithmetic():
     """short_conv over a prompt's rows runs spans of rows in parallel (the ring only read, then
     refilled from the last rows): outputs and ring as bytes equal the walk's kernel (short_conv)."""
-    from memra.backend.cuda.kda import CONV_LANES
+    from memra.kernels_cu.constants import KDA_CONV_LANES
     from memra.backend.cuda.runtime import BLOCK, i32, launch
 
     rows, shared = _short_conv(101, 4)[0](np.random.default_rng(3), 150)
@@ -172,7 +172,7 @@ def test_a_prompts_short_conv_spans_do_the_row_walks_arithmetic():
     ring = cp.asarray(shared["ring"])
     got = KdaOps().short_conv(x, ring, w)
     walk_ring, want = cp.asarray(shared["ring"]), cp.empty_like(x)
-    launch("kda", "short_conv", ((101 + CONV_LANES - 1) // CONV_LANES,), (BLOCK,),
+    launch("kda", "short_conv", ((101 + KDA_CONV_LANES - 1) // KDA_CONV_LANES,), (BLOCK,),
            (x, walk_ring, w, want, i32(150), i32(101), i32(4), i32(101), np.uint64(0), np.int64(0)))
     assert cp.asnumpy(got).tobytes() == cp.asnumpy(want).tobytes()
     assert cp.asnumpy(ring).tobytes() == cp.asnumpy(walk_ring).tobytes()

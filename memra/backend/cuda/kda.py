@@ -16,9 +16,8 @@ import cupy as cp
 from memra.backend.cuda.kda_chunks import kda_shapes, prime_kda
 from memra.backend.cuda.prime import is_prime
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, device_input, f32, grid_1d, i32, launch
-from memra.kernels_cu.constants import KDA_CHUNK_MAX_DK, KDA_COLS, KDA_CONV_SPAN, KDA_MAX_CONV, KDA_MAX_DK
-
-CONV_LANES = 32  # channels a short_conv block: a lane each, its rows over the warps (kda.cu)
+from memra.kernels_cu.constants import (KDA_CHUNK_MAX_DK, KDA_COLS, KDA_CONV_LANES, KDA_CONV_SPAN, KDA_MAX_CONV,
+                                        KDA_MAX_DK)
 
 
 def _rows(rows, t: int, shape: tuple, what: str):
@@ -52,7 +51,7 @@ class KdaOps:
                    (x, ring, w, out, i32(t), i32(c), i32(k), i32(c // groups)))
             ring[...] = x[t - (k - 1):]  # t > VERIFY_CAP >= K - 1 rows
         elif t:
-            launch("kda", "short_conv", (blocks_of(c, CONV_LANES),), (BLOCK,),
+            launch("kda", "short_conv", (blocks_of(c, KDA_CONV_LANES),), (BLOCK,),
                    (x, ring, w, out, i32(t), i32(c), i32(k), i32(c // groups), snap, stride))
         return out
 

@@ -145,7 +145,12 @@ def test_a_full_queue_answers_503_with_retry_after(serve):
 
 
 def test_a_request_past_its_timeout_gets_408_live_or_queued(serve):
-    server = serve(burst_tokens=2, max_sessions=1, request_timeout_s=0.6)
+    # A deadline is checked between bursts, so the queued request expires behind the live one
+    # only if the live one is still unfinished at a boundary past both deadlines. One burst of
+    # 100 tokens (LONG stops at 121 on this model: about 1.7 s on a 2-core CPU) spans both; with
+    # bursts of 2 the queued request expired only when it reached the server within one burst
+    # (about 30 ms) of the live one, and CI's loaded runs sometimes missed that.
+    server = serve(burst_tokens=100, max_sessions=1, request_timeout_s=0.3)
     with server.client() as client:
         live = {}
         thread = threading.Thread(target=lambda: live.update(r=server.client().post("/v1/completions", json={

@@ -236,14 +236,16 @@ def prime_buffer_bytes(cfg, layers, max_ctx: int) -> int:
     max_ctx), scoring up to max_ctx positions. Per row, the mHC streams in and out and six
     float32 [D] rows; then the largest phase among the layers':
     * routed experts (sparse MLP), MOE_ROWS rows at a time, k + n_shared slots a row, each slot's
-      activation pieces, gate and up GEMM rows, hidden pieces and down GEMM rows (18 D + 30 I bytes);
+      activation pieces, gate and up GEMM rows, hidden pieces and down GEMM rows (18 D + 30 I bytes;
+      a slot of an expert on the exact tiles needs less: its row, hidden row and output, 8 D + 4 I);
     * DSA attention: the absorbed queries and outputs (2 x heads x rank floats a row), the key and
       value piece copies over the whole span (six bf16 copies each: 24 x rank bytes a position)
       and one chunk's scores and probability pieces (4 + 6 bytes a score, at most ATTEND_BYTES);
     * KDA: eleven float32 [C] rows a row (projections, the q, k, v planes, normalised q and k,
       gate, output and its gate).
     Times PRIME_MARGIN. On the H200 the sum before the margin is 0.5-1% above the peak a
-    `bench` prime allocates (702, 2809, 5618, 6484 MiB at 512, 2048, 4096, 8192 tokens)."""
+    `bench` prime allocates with every expert on GEMMs (702, 2809, 5618, 6484 MiB at 512, 2048,
+    4096, 8192 tokens); experts of few slots on the exact tiles only lower it."""
     rows = min(PRIME_CHUNK, max(max_ctx, 1))
     d, i, ranks = cfg.hidden_size, cfg.moe_intermediate_size, cfg.kv_lora_rank
     phases = [0]

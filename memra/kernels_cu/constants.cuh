@@ -100,6 +100,12 @@
 #ifndef DOWN_OUTS
 #define DOWN_OUTS 64
 #endif
+#ifndef PIECES_VECTOR
+#define PIECES_VECTOR 4
+#endif
+#ifndef FP8_PIECES_WIDTH
+#define FP8_PIECES_WIDTH 8
+#endif
 #ifndef DRAFT_MAX_HD
 #define DRAFT_MAX_HD 256
 #endif

@@ -63,6 +63,10 @@ GATE_UP_UNITS = 16       # intermediate units per bf16 gate|up tile (16 gate row
 DOWN_OUTS = 64           # outputs per bf16 expert down tile of 8 rows: 64 rows of I in-features, the
                          # weight bytes a gate|up tile reads (32 rows of D = 2 I)
 
+# prime.cu: values a thread of the elementwise kernels where a row's length allows (16-byte loads)
+PIECES_VECTOR = 4     # bf16_pieces, swiglu_pieces: float32 values
+FP8_PIECES_WIDTH = 8  # fp8_pieces: e4m3 bytes
+
 # draft.cu
 DRAFT_MAX_HD = 256  # a block attention head: each lane holds DRAFT_MAX_HD / 32 of its query and output
 
@@ -96,6 +100,8 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "MAX_GROUPS": MAX_GROUPS,
     "GATE_UP_UNITS": GATE_UP_UNITS,
     "DOWN_OUTS": DOWN_OUTS,
+    "PIECES_VECTOR": PIECES_VECTOR,
+    "FP8_PIECES_WIDTH": FP8_PIECES_WIDTH,
     "DRAFT_MAX_HD": DRAFT_MAX_HD,
 }
 

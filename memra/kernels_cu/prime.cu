@@ -5,7 +5,8 @@
 //                   exact_mma.cuh makes), so bf16 GEMMs against bf16 weights give float32-exact
 //                   products; `rows` gathers (the routed experts' slots), null takes row i.
 //   swiglu_pieces:  the routed experts' hidden rows, as pieces, from their gate and up rows.
-//   expert_combine: the routed experts' output rows summed back per prompt row (moe_combine).
+//   expert_combine: the routed experts' output rows (GEMM pieces or exact tiles') summed back per
+//                   prompt row (moe_combine).
 //   piece_copies:   rows of x as chosen pieces at chosen strides: the operands of the prime
 //                   attention's six-product GEMMs (backend/pieces.py).
 //   row_sum_squares: each row's sum of squares into a column of the mHC partials.
@@ -51,38 +52,81 @@ static __device__ __forceinline__ float sum_pieces(const float* p, int d) {
     return (p[2 * d] + p[d]) + p[0];
 }
 
-// The elementwise kernels below: grid runtime.columns_grid(rows, d), for_column_rows's layout.
+// sum_pieces of four adjacent columns: 16-byte loads.
+static __device__ __forceinline__ float4 sum_pieces4(const float* p, long long d) {
+    const float4 hi = *reinterpret_cast<const float4*>(p), mid = *reinterpret_cast<const float4*>(p + d),
+                 lo = *reinterpret_cast<const float4*>(p + 2 * d);
+    return make_float4((lo.x + mid.x) + hi.x, (lo.y + mid.y) + hi.y, (lo.z + mid.z) + hi.z, (lo.w + mid.w) + hi.w);
+}
+
+// The pieces of a's four values into p[0..3] (hi), p[d..] (mid), p[2d..] (lo): 8-byte stores.
+static __device__ __forceinline__ void put_pieces4(float4 a, unsigned short* p, long long d) {
+    unsigned short x[3], y[3], z[3], w[3];
+    split_pieces(a.x, x);
+    split_pieces(a.y, y);
+    split_pieces(a.z, z);
+    split_pieces(a.w, w);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) *reinterpret_cast<ushort4*>(p + k * d) = make_ushort4(x[k], y[k], z[k], w[k]);
+}
+
+// The elementwise kernels below: grid runtime.columns_grid(rows, d / width), for_column_rows's
+// layout over columns of `width` values: PIECES_VECTOR (one 16-byte load, 8-byte stores) where
+// d is a multiple of it, else 1. The same bits either way.
 
 // out [m, 3, d] = the pieces of x[rows[i]] (rows null: x[i]).
 extern "C" __global__ void bf16_pieces(const float* x, const long long* rows, unsigned short* out,
-                                       long long m, int d) {
+                                       long long m, int d, int width) {
     after_predecessor();
-    for_column_rows(m, d, [&](long long i, int c) {
+    if (width == 1) {
+        for_column_rows(m, d, [&](long long i, int c) {
+            const long long src = rows != nullptr ? rows[i] : i;
+            put_pieces(x[src * d + c], out + i * 3 * d + c, d);
+        });
+        return;
+    }
+    for_column_rows(m, d / PIECES_VECTOR, [&](long long i, int col) {
         const long long src = rows != nullptr ? rows[i] : i;
-        put_pieces(x[src * d + c], out + i * 3 * d + c, d);
+        const int c = col * PIECES_VECTOR;
+        put_pieces4(*reinterpret_cast<const float4*>(x + src * d + c), out + i * 3 * d + c, d);
     });
 }
 
 // The routed experts' hidden rows: gate, up [m, 3, I] are GEMM rows of the input's pieces;
 // out [m, 3, I] = the pieces of swiglu_clamped (dense.cu's swiglu_kernel) of their sums.
 extern "C" __global__ void swiglu_pieces(const float* gate, const float* up, unsigned short* out,
-                                         long long m, int d, float limit) {
+                                         long long m, int d, float limit, int width) {
     after_predecessor();
-    for_column_rows(m, d, [&](long long i, int c) {
-        const long long at = i * 3 * d + c;
-        put_pieces(swiglu_clamped(sum_pieces(gate + at, d), sum_pieces(up + at, d), limit), out + at, d);
+    if (width == 1) {
+        for_column_rows(m, d, [&](long long i, int c) {
+            const long long at = i * 3 * d + c;
+            put_pieces(swiglu_clamped(sum_pieces(gate + at, d), sum_pieces(up + at, d), limit), out + at, d);
+        });
+        return;
+    }
+    for_column_rows(m, d / PIECES_VECTOR, [&](long long i, int col) {
+        const long long at = i * 3 * d + col * PIECES_VECTOR;
+        const float4 g = sum_pieces4(gate + at, d), u = sum_pieces4(up + at, d);
+        const float4 h = make_float4(swiglu_clamped(g.x, u.x, limit), swiglu_clamped(g.y, u.y, limit),
+                                     swiglu_clamped(g.z, u.z, limit), swiglu_clamped(g.w, u.w, limit));
+        put_pieces4(h, out + at, d);
     });
 }
 
 // out [t, D]: row r's expert outputs weighted in slot order (moe.cu's moe_combine), slot
-// s = r * k + j read from down [M, 3, D] (GEMM rows of the hidden pieces) at its sorted row at[s].
-extern "C" __global__ void expert_combine(const float* down, const long long* at, const float* wts,
-                                          float* out, int t, int k, int D) {
+// s = r * k + j read at its sorted row at[s]: from down [gemm_rows, 3, D] (GEMM rows of the hidden
+// pieces), or past gemm_rows from tiled (the exact tiles' output rows of the experts of few slots).
+extern "C" __global__ void expert_combine(const float* down, long long gemm_rows, const float* tiled,
+                                          const long long* at, const float* wts, float* out, int t, int k,
+                                          int D) {
     after_predecessor();
     for_column_rows(t, D, [&](long long r, int c) {
         float acc = 0.0f;
-        for (int j = 0; j < k; ++j)
-            acc = acc + sum_pieces(down + at[r * k + j] * 3 * D + c, D) * wts[r * k + j];
+        for (int j = 0; j < k; ++j) {
+            const long long a = at[r * k + j];
+            const float v = a < gemm_rows ? sum_pieces(down + a * 3 * D + c, D) : tiled[(a - gemm_rows) * D + c];
+            acc = acc + v * wts[r * k + j];
+        }
         out[r * D + c] = acc;
     });
 }
@@ -157,14 +201,37 @@ static __device__ __forceinline__ float e4m3_value(unsigned char b) {
 
 // An FP8 matrix [n_out, n_in] with its 128 x 128 block scales, dequantized (one float32 rounding
 // of e4m3 * scale, as backend/fp8.py's dequantize) and split into planes out [3, n_out, n_in] of
-// its bf16 pieces: a prompt's FP8 projections then run as bf16 GEMMs.
+// its bf16 pieces: a prompt's FP8 projections then run as bf16 GEMMs. `width` weights a thread:
+// FP8_PIECES_WIDTH (one 8-byte load, one 16-byte store a plane) where n_in is a multiple of it,
+// else 1; the grid's columns are n_in / width.
+static_assert(FP8_BLOCK % FP8_PIECES_WIDTH == 0, "a thread's weights share one block scale");
 extern "C" __global__ void fp8_pieces(const unsigned char* data, const float* scale, unsigned short* out,
-                                      int n_out, int n_in) {
+                                      int n_out, int n_in, int width) {
     after_predecessor();
     const long long n = (long long)n_out * n_in;
     const int scale_cols = (n_in + FP8_BLOCK - 1) / FP8_BLOCK;
-    for_column_rows(n_out, n_in, [&](long long o, int i) {
-        const long long e = o * n_in + i;
-        put_pieces(e4m3_value(data[e]) * scale[(o / FP8_BLOCK) * scale_cols + i / FP8_BLOCK], out + e, n);
+    if (width == 1) {
+        for_column_rows(n_out, n_in, [&](long long o, int i) {
+            const long long e = o * n_in + i;
+            put_pieces(e4m3_value(data[e]) * scale[(o / FP8_BLOCK) * scale_cols + i / FP8_BLOCK], out + e, n);
+        });
+        return;
+    }
+    for_column_rows(n_out, n_in / FP8_PIECES_WIDTH, [&](long long o, int col) {
+        const long long e = o * n_in + (long long)col * FP8_PIECES_WIDTH;
+        const float s = scale[(o / FP8_BLOCK) * scale_cols + col * FP8_PIECES_WIDTH / FP8_BLOCK];
+        const uint2 bytes = *reinterpret_cast<const uint2*>(data + e);
+        unsigned short planes[3][FP8_PIECES_WIDTH];
+#pragma unroll
+        for (int u = 0; u < FP8_PIECES_WIDTH; ++u) {
+            const unsigned b = ((u < 4 ? bytes.x : bytes.y) >> (8 * (u % 4))) & 0xffu;
+            unsigned short piece[3];
+            split_pieces(e4m3_value((unsigned char)b) * s, piece);
+#pragma unroll
+            for (int p = 0; p < 3; ++p) planes[p][u] = piece[p];
+        }
+#pragma unroll
+        for (int p = 0; p < 3; ++p)
+            *reinterpret_cast<uint4*>(out + p * n + e) = *reinterpret_cast<const uint4*>(planes[p]);
     });
 }

@@ -32,6 +32,7 @@ cp = cupy_or_skip()
 from memra import load_model  # noqa: E402
 from memra.backend.cuda import prime  # noqa: E402
 from memra.backend.cuda.dense import DenseOps  # noqa: E402
+from memra.backend.cuda.fp8 import DeviceFp8  # noqa: E402
 from memra.limits import VERIFY_CAP  # noqa: E402
 from memra.safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: E402
 from tests.backend.inputs import attend_case, attend_reference, normal  # noqa: E402
@@ -83,13 +84,26 @@ def test_pieces_add_back_to_the_activations_bit_for_bit():
     assert cp.array_equal(prime.prime_linear(x, eye), x)
 
 
-def test_pieces_cover_rows_past_one_grid_of_row_blocks():
+@pytest.mark.parametrize("d", [3, 8])  # a value a thread, four
+def test_pieces_cover_rows_past_one_grid_of_row_blocks(d):
     """The elementwise kernels take rows over grid y (at most 65535) and loop past it: the last
     rows of a taller x get their pieces too, the same as the first rows' (hi + mid + lo == x)."""
-    x = cp.asarray(normal(np.random.default_rng(7), (65535 + 300, 3)))
+    x = cp.asarray(normal(np.random.default_rng(7), (65535 + 300, d)))
     xp = prime.pieces(x).view(cp.uint16).astype(cp.uint32) << 16
     parts = xp.view(cp.float32)
     assert cp.array_equal((parts[:, 2] + parts[:, 1]) + parts[:, 0], x)
+
+
+def test_pieces_are_the_same_bits_one_or_four_values_a_thread():
+    """Rows of 264 values split four a thread; the same values one float past an aligned start
+    split one a thread (a 16-byte load would fault there): the same pieces, gathered or not."""
+    x = cp.asarray(normal(np.random.default_rng(4), (37, 264)))
+    shifted = cp.empty(x.size + 1, cp.float32)[1:].reshape(x.shape)
+    shifted[...] = x
+    assert prime._width(264, 4, x) == 4 and prime._width(264, 4, shifted) == 1
+    rows = cp.asarray(np.array([36, 0, 5, 5], np.int64))
+    assert cp.array_equal(prime.pieces(x), prime.pieces(shifted))
+    assert cp.array_equal(prime.pieces(x, rows), prime.pieces(shifted, rows))
 
 
 def test_gathered_pieces_read_the_named_rows():
@@ -171,6 +185,50 @@ def test_a_long_prompts_experts_go_in_row_chunks(monkeypatch):
     monkeypatch.setattr(prime, "MOE_ROWS", 7)
     got = prime.prime_experts(*(cp.asarray(a) for a in (x, idx, wts, gate, up, down)), 10.0)
     np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-4, atol=1e-5)
+
+
+def _skewed_experts(kind: str):
+    """A 40-row prompt whose experts 0 and 1 serve 24 slots each and experts 2..5 about 8 each,
+    weights bf16 bits or FP8 blocks -> (device args, numpy reference)."""
+    from memra.backend.fp8 import dequantize, quantize
+    from memra.backend.numpy_ref import NumpyBackend
+
+    rng = np.random.default_rng(9)
+    x = normal(rng, (40, 64))
+    idx = np.array([[0, 1]] * 24 + [sorted(rng.choice(range(2, 6), 2, replace=False)) for _ in range(16)], np.int64)
+    wts = rng.uniform(0.2, 1.0, (40, 2)).astype(np.float32)
+    shapes, scales = ((6, 24, 64), (6, 24, 64), (6, 64, 24)), (0.125, 0.125, 0.2)
+    mats = [normal(rng, shape, scale) for shape, scale in zip(shapes, scales)]
+    if kind == "fp8":
+        blocks = [quantize(m) for m in mats]
+        weights, widened = [DeviceFp8.upload(b) for b in blocks], [dequantize(b) for b in blocks]
+    else:
+        bits = [f32_to_bf16(m) for m in mats]
+        weights, widened = [cp.asarray(b) for b in bits], [bf16_to_f32(b) for b in bits]
+    want = NumpyBackend().moe_experts(x, idx, wts, *widened, 10.0)
+    return (cp.asarray(x), cp.asarray(idx), cp.asarray(wts), *weights, 10.0), want
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("tile_rows, tiled_slots", [(0, 0), (12, 32), (10 ** 9, 80)])
+def test_a_prompts_experts_on_gemms_tiles_or_both_match_numpy(monkeypatch, kind, tile_rows, tiled_slots):
+    """Experts of fewer than TILE_ROWS slots run on the exact tiles, the others on GEMMs: all on
+    GEMMs, a mix (experts 2..5 tiled) and all tiled give the experts' numpy tolerance; the red
+    arm feeds the combine the tiled slots' outputs one slot off."""
+    args, want = _skewed_experts(kind)
+    monkeypatch.setitem(prime.TILE_ROWS, kind, tile_rows)
+    tiled, tiles = [], prime.expert_tiles
+
+    def counted(x, *rest):
+        tiled.append(x.shape[0])
+        return tiles(x, *rest)
+
+    monkeypatch.setattr(prime, "expert_tiles", counted)
+    np.testing.assert_allclose(cp.asnumpy(prime.prime_experts(*args)), want, rtol=1e-4, atol=1e-5)
+    assert sum(tiled) == tiled_slots
+    if tiled_slots:
+        monkeypatch.setattr(prime, "expert_tiles", lambda *a: cp.roll(tiles(*a), 1, axis=0))
+        assert not np.allclose(cp.asnumpy(prime.prime_experts(*args)), want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -282,11 +282,18 @@ def test_a_prompts_fp8_expert_products_are_float32_accurate(monkeypatch):
     assert error() > PRIME_REL
 
 
-def test_fp8_pieces_add_back_to_the_dequantized_weight():
-    block = _fp8(np.random.default_rng(13), (130, 300), 0.05)
-    planes = cp.asnumpy(prime.fp8_pieces(cp.asarray(block.data), cp.asarray(block.scale_inv)))
+@pytest.mark.parametrize("shape", [(130, 300), (130, 264), (3, 130, 264)])
+def test_fp8_pieces_add_back_to_the_dequantized_weight(shape):
+    """A weight a thread (300 in-features), eight a thread (264), and eight a thread in the middle
+    matrix of a stack (an expert's view, as a prompt's experts pass it)."""
+    block = _fp8(np.random.default_rng(13), shape, 0.05)
+    data, scale, want = cp.asarray(block.data), cp.asarray(block.scale_inv), dequantize(block)
+    if len(shape) == 3:
+        data, scale, want = data[1], scale[1], want[1]
+    planes = cp.asnumpy(prime.fp8_pieces(data, scale))
     widened = [(p.astype(np.uint32) << 16).view(np.float32) for p in planes]
-    assert np.array_equal((widened[2] + widened[1]) + widened[0], dequantize(block))
+    assert np.array_equal((widened[2] + widened[1]) + widened[0], want)
+    assert np.array_equal(planes[0], (want.view(np.uint32) >> 16).astype(np.uint16))  # hi: the truncation
 
 
 def _mutated_launch(monkeypatch, tmp_path, header, exact, broken, family):

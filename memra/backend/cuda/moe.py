@@ -13,10 +13,10 @@ from __future__ import annotations
 import cupy as cp
 
 from memra.backend.cuda.fp8 import DeviceFp8
+from memra.backend.cuda.moe_tiles import expert_tiles
 from memra.backend.cuda.prime import is_prime, prime_experts
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, weight_kind
-from memra.kernels_cu.constants import (BF16_OUTS, DOWN_OUTS, GATE_UP_UNITS, MAX_GROUPS, MAX_TOPK,
-                                        MOE_MAX_EXPERTS, WARPS_PER_BLOCK)
+from memra.kernels_cu.constants import MAX_GROUPS, MAX_TOPK, MOE_MAX_EXPERTS
 
 
 class MoeOps:
@@ -55,7 +55,7 @@ class MoeOps:
 
     def moe_experts(self, x, idx, wts, gate_w, up_w, down_w, limit: float):
         """sum over the row's experts (slot order) of wt * down(swiglu(gate x, up x)).
-        gate_w, up_w [E, I, D]; down_w [E, D, I]; float32 or bf16 (uint16), all alike."""
+        gate_w, up_w [E, I, D]; down_w [E, D, I]; float32, bf16 (uint16) or DeviceFp8, all alike."""
         check(x, cp.float32, "x")
         check(idx, cp.int64, "idx")
         check(wts, cp.float32, "wts")
@@ -77,44 +77,9 @@ class MoeOps:
         if t * k * d == 0:
             out.fill(0)
             return out
-        if is_prime(t) and kind != "f32":  # a prompt: cuBLAS GEMMs per routed expert (prime.py)
+        if is_prime(t) and kind != "f32":  # a prompt: cuBLAS GEMMs for the experts of many rows (prime.py)
             return prime_experts(x, idx, wts, gate_w, up_w, down_w, limit)
-        # rows of slots no expert serves (an id outside [0, E)) stay unwritten: moe_combine adds 0
-        h = cp.empty((t, k, inter), cp.float32)
-        y = cp.empty((t, k, d), cp.float32)
-        if kind == "fp8":  # the bf16 tiles below, one byte per weight and a scale per 128-block
-            self._experts_fp8(x, idx, gate_w, up_w, down_w, h, y, limit)
-        elif kind == "bf16":  # tensor-core tiles of gate|up units and of outputs; 8 or 16 rows a pass
-            # blocks only for the experts the rows route to: their ascending list, made on the device
-            assert e <= MOE_MAX_EXPERTS, f"moe_experts: E={e} experts, at most {MOE_MAX_EXPERTS}"
-            rows, listed = "n1" if t <= 8 else "n2", min(e, t * k)
-            experts, count = cp.empty(listed, cp.int32), cp.empty(1, cp.int32)
-            launch("moe", "moe_expert_list", (1,), (BLOCK,), (idx, i32(t * k), i32(e), experts, count))
-            launch("moe", f"moe_gate_up_bf16_{rows}", (blocks_of(inter, GATE_UP_UNITS), listed), (BLOCK,),
-                   (x, idx, experts, count, gate_w, up_w, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
-            outs = DOWN_OUTS if rows == "n1" else BF16_OUTS  # moe.cu's down_bf16
-            launch("moe", f"moe_down_bf16_{rows}", (blocks_of(d, outs), listed), (BLOCK,),
-                   (h, idx, experts, count, down_w, y, i32(t), i32(k), i32(inter), i32(d)))
-        else:  # float32 weights (test fixtures): a block row per expert, idle where none is routed
-            launch("moe", "moe_gate_up_f32", (blocks_of(inter, WARPS_PER_BLOCK), e), (BLOCK,),
-                   (x, idx, gate_w, up_w, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
-            launch("moe", "moe_down_f32", (blocks_of(d, WARPS_PER_BLOCK), e), (BLOCK,),
-                   (h, idx, down_w, y, i32(t), i32(k), i32(inter), i32(d)))
+        y = expert_tiles(x, idx, gate_w, up_w, down_w, limit)
         launch("moe", "moe_combine", (blocks_of(t * d),), (BLOCK,),
                (y, idx, wts, out, i32(t), i32(k), i32(d), i32(e)))
         return out
-
-    @staticmethod
-    def _experts_fp8(x, idx, gate_w, up_w, down_w, h, y, limit: float) -> None:
-        """FP8 experts into h [t, k, I] and y [t, k, D]: blocks for the routed experts only."""
-        (t, d), k = x.shape, idx.shape[1]
-        e, inter, _ = gate_w.shape
-        assert e <= MOE_MAX_EXPERTS, f"moe_experts: E={e} experts, at most {MOE_MAX_EXPERTS}"
-        rows, listed = "n1" if t <= 8 else "n2", min(e, t * k)
-        experts, count = cp.empty(listed, cp.int32), cp.empty(1, cp.int32)
-        launch("moe", "moe_expert_list", (1,), (BLOCK,), (idx, i32(t * k), i32(e), experts, count))
-        launch("moe", f"moe_gate_up_fp8_{rows}", (blocks_of(inter, GATE_UP_UNITS), listed), (BLOCK,),
-               (x, idx, experts, count, gate_w.data, gate_w.scale_inv, up_w.data, up_w.scale_inv, h,
-                i32(t), i32(k), i32(inter), i32(d), f32(limit)))
-        launch("moe", f"moe_down_fp8_{rows}", (blocks_of(d, BF16_OUTS), listed), (BLOCK,),
-               (h, idx, experts, count, down_w.data, down_w.scale_inv, y, i32(t), i32(k), i32(inter), i32(d)))

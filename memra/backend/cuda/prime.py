@@ -16,6 +16,9 @@ weight once per 16 rows and run at under 2% of the tensor cores' rate on a long 
   pieces of its float32 values, and meets the activation's pieces in the six products of size
   at least 2^-16 (a routed expert's piece rows too: each weight piece meets the row sets of
   the activation pieces it is kept with);
+* a routed expert serving fewer than TILE_ROWS of the prompt's slots runs on the exact tiles
+  (moe_tiles.py, as in a decode step): few rows do not repay its GEMMs' launches, nor an FP8
+  expert's dequantization; the exact tiles are float32-exact products too;
 * a float32 weight (test fixtures) or the remaining float32 x float32 products (router logits,
   pool scores, mHC partials) run as float32 GEMMs (cupy.matmul: no TF32 unless CUPY_TF32 is set;
   the mHC partials call cuBLAS at COMPUTE_32F directly, never TF32).
@@ -31,8 +34,10 @@ import cupy as cp
 from cupy_backends.cuda.libs import cublas
 
 from memra.backend.cuda.fp8 import DeviceFp8
+from memra.backend.cuda.moe_tiles import expert_tiles
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, blocks_of, check, columns_grid, f32, i32, launch
 from memra.backend.pieces import LEFT_ORDER, PIECES, RIGHT_COPIES, SEGMENTS, piece_map
+from memra.kernels_cu.constants import FP8_PIECES_WIDTH, PIECES_VECTOR
 from memra.limits import ATTEND_BYTES, ATTEND_ROWS, MOE_ROWS, VERIFY_CAP
 
 R_16BF, R_32F = 14, 0                    # cudaDataType
@@ -45,12 +50,23 @@ HC_SPLITS = 16                           # slices of the mHC matvec's flattened 
 # products of size at least 2^-16 of the product are kept
 X_PRODUCTS = ((2, 0), (1, 0), (0, 0))
 WEIGHT_PRODUCTS = ((2, 0), (0, 2), (1, 1), (1, 0), (0, 1), (0, 0))
+# An expert serving fewer slots of a prompt than this runs on the exact tiles (moe_tiles.py):
+# there it reads its weights once per 16 slots in two launches, where its GEMMs take three
+# launches a weight (FP8: fifteen, and a dequantization of the whole expert) (measured below)
+TILE_ROWS = {"bf16": 0, "fp8": 0}
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
 
 
 def is_prime(t: int) -> bool:
     """A call of t rows is prime class: more rows than any exact-class walk (decode, verify) has."""
     return t > VERIFY_CAP
+
+
+def _width(n: int, vector: int, *arrays) -> int:
+    """Values a thread of prime.cu's elementwise kernels over rows of n: `vector` where the rows
+    split so and every array starts aligned to a vector of its items (then every row does), else one."""
+    aligned = all(a.data.ptr % (a.itemsize * vector) == 0 for a in arrays)
+    return vector if n % vector == 0 and aligned else 1
 
 
 def pieces(x, rows=None):
@@ -62,8 +78,9 @@ def pieces(x, rows=None):
     m, d = (x.shape[0] if rows is None else rows.size), x.shape[1]
     out = cp.empty((m, PIECES, d), cp.uint16)
     if m * d:
-        launch("prime", "bf16_pieces", columns_grid(m, d), (BLOCK,),
-               (x, rows, out, np.int64(m), i32(d)))
+        width = _width(d, PIECES_VECTOR, x, out)
+        launch("prime", "bf16_pieces", columns_grid(m, d // width), (BLOCK,),
+               (x, rows, out, np.int64(m), i32(d), i32(width)))
     return out
 
 
@@ -121,8 +138,9 @@ def fp8_pieces(data, scale_inv):
     n_out, n_in = data.shape
     out = cp.empty((PIECES, n_out, n_in), cp.uint16)
     if data.size:
-        launch("prime", "fp8_pieces", columns_grid(n_out, n_in), (BLOCK,),
-               (data, scale_inv, out, i32(n_out), i32(n_in)))
+        width = _width(n_in, FP8_PIECES_WIDTH, data, out)
+        launch("prime", "fp8_pieces", columns_grid(n_out, n_in // width), (BLOCK,),
+               (data, scale_inv, out, i32(n_out), i32(n_in), i32(width)))
     return out
 
 
@@ -195,34 +213,44 @@ def prime_experts(x, idx, wts, gate_w, up_w, down_w, limit: float):
 
 
 def _experts(x, idx, wts, gate_w, up_w, down_w, limit: float, out) -> None:
-    """out [t, D] (a row slice: contiguous) = the routed experts of x's rows. The (row, slot) pairs
-    sorted by expert; each expert's rows as 3m piece rows, one GEMM per weight; the hidden rows
-    and the weighted sum per row one kernel each. The host reads the counts once."""
+    """out [t, D] (a row slice: contiguous) = the routed experts of x's rows. The host reads the
+    slot counts once; the (row, slot) pairs sorted by expert, the experts of at least TILE_ROWS
+    slots first: each of those as 3m piece rows, one GEMM per weight (the hidden rows one kernel),
+    the rest on the exact tiles (moe_tiles.py), their pairs gathered as rows of one slot. The
+    weighted sum per row reads each slot's output where it was made."""
     (t, k), (e, inter, d) = idx.shape, gate_w.shape
     flat = idx.reshape(-1)
-    order = cp.argsort(flat)
+    counts = cp.asnumpy(cp.bincount(flat, minlength=e))
+    tiled = counts < TILE_ROWS["fp8" if isinstance(gate_w, DeviceFp8) else "bf16"]
+    # sort keys: a tiled expert's pairs after every GEMM expert's (cupy's argsort is stable)
+    order = cp.argsort(cp.asarray(np.arange(e) + e * tiled)[flat])
     at = cp.empty_like(order)
-    at[order] = cp.arange(order.size, dtype=order.dtype)  # slot -> its sorted row
-    counts = cp.asnumpy(cp.bincount(flat, minlength=e)).tolist()
-    starts = np.cumsum([0] + counts[:-1]).tolist()
-    xp, slots = pieces(x, order // k), order.size
-    gate, up = _expert_rows((slots, PIECES, inter), gate_w), _expert_rows((slots, PIECES, inter), up_w)
-    handle = _handle()
-    for ex, (start, m) in enumerate(zip(starts, counts)):
-        if m:
+    at[order] = cp.arange(order.size, dtype=order.dtype)  # pair -> its sorted row
+    gemm = [(ex, int(m)) for ex, m in enumerate(counts) if m and not tiled[ex]]
+    starts = np.cumsum([0] + [m for _, m in gemm]).tolist()
+    slots = starts[-1]  # the GEMM experts' pairs, sorted rows 0..slots-1
+    pairs = order[slots:]
+    tile_out = None if not pairs.size else expert_tiles(
+        x[pairs // k], flat[pairs].reshape(-1, 1), gate_w, up_w, down_w, limit)
+    down = None
+    if slots:
+        xp = pieces(x, order[:slots] // k)
+        gate, up = _expert_rows((slots, PIECES, inter), gate_w), _expert_rows((slots, PIECES, inter), up_w)
+        handle = _handle()
+        for (ex, m), start in zip(gemm, starts):
             src = xp.data.ptr + 2 * PIECES * start * d
             _expert_gemm(handle, src, d, m, gate_w, ex, gate.data.ptr + 4 * PIECES * start * inter)
             _expert_gemm(handle, src, d, m, up_w, ex, up.data.ptr + 4 * PIECES * start * inter)
-    hidden = cp.empty((slots, PIECES, inter), cp.uint16)
-    launch("prime", "swiglu_pieces", columns_grid(slots, inter), (BLOCK,),
-           (gate, up, hidden, np.int64(slots), i32(inter), f32(limit)))
-    down = _expert_rows((slots, PIECES, d), down_w)
-    for ex, (start, m) in enumerate(zip(starts, counts)):
-        if m:
+        hidden = cp.empty((slots, PIECES, inter), cp.uint16)
+        width = _width(inter, PIECES_VECTOR, gate, up, hidden)
+        launch("prime", "swiglu_pieces", columns_grid(slots, inter // width), (BLOCK,),
+               (gate, up, hidden, np.int64(slots), i32(inter), f32(limit), i32(width)))
+        down = _expert_rows((slots, PIECES, d), down_w)
+        for (ex, m), start in zip(gemm, starts):
             _expert_gemm(handle, hidden.data.ptr + 2 * PIECES * start * inter, inter, m, down_w, ex,
                          down.data.ptr + 4 * PIECES * start * d)
     launch("prime", "expert_combine", columns_grid(t, d), (BLOCK,),
-           (down, at, wts, out, i32(t), i32(k), i32(d)))
+           (down, np.int64(slots), tile_out, at, wts, out, i32(t), i32(k), i32(d)))
 
 
 def prime_hc_partials(streams, fn):

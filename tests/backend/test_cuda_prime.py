@@ -33,6 +33,7 @@ from memra import load_model  # noqa: E402
 from memra.backend.cuda import prime  # noqa: E402
 from memra.backend.cuda.dense import DenseOps  # noqa: E402
 from memra.backend.cuda.fp8 import DeviceFp8  # noqa: E402
+from memra.backend.cuda.moe import expert_tiles  # noqa: E402
 from memra.limits import VERIFY_CAP  # noqa: E402
 from memra.safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: E402
 from tests.backend.inputs import attend_case, attend_reference, normal  # noqa: E402
@@ -183,7 +184,7 @@ def test_a_long_prompts_experts_go_in_row_chunks(monkeypatch):
     down = f32_to_bf16(normal(rng, (6, 64, 24), 0.2))
     want = NumpyBackend().moe_experts(x, idx, wts, *(bf16_to_f32(a) for a in (gate, up, down)), 10.0)
     monkeypatch.setattr(prime, "MOE_ROWS", 7)
-    got = prime.prime_experts(*(cp.asarray(a) for a in (x, idx, wts, gate, up, down)), 10.0)
+    got = prime.prime_experts(*(cp.asarray(a) for a in (x, idx, wts, gate, up, down)), 10.0, expert_tiles)
     np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-4, atol=1e-5)
 
 
@@ -217,18 +218,17 @@ def test_a_prompts_experts_on_gemms_tiles_or_both_match_numpy(monkeypatch, kind,
     arm feeds the combine the tiled slots' outputs one slot off."""
     args, want = _skewed_experts(kind)
     monkeypatch.setitem(prime.TILE_ROWS, kind, tile_rows)
-    tiled, tiles = [], prime.expert_tiles
+    tiled = []
 
     def counted(x, *rest):
         tiled.append(x.shape[0])
-        return tiles(x, *rest)
+        return expert_tiles(x, *rest)
 
-    monkeypatch.setattr(prime, "expert_tiles", counted)
-    np.testing.assert_allclose(cp.asnumpy(prime.prime_experts(*args)), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(cp.asnumpy(prime.prime_experts(*args, counted)), want, rtol=1e-4, atol=1e-5)
     assert sum(tiled) == tiled_slots
     if tiled_slots:
-        monkeypatch.setattr(prime, "expert_tiles", lambda *a: cp.roll(tiles(*a), 1, axis=0))
-        assert not np.allclose(cp.asnumpy(prime.prime_experts(*args)), want, rtol=1e-4, atol=1e-5)
+        one_off = lambda *a: cp.roll(expert_tiles(*a), 1, axis=0)
+        assert not np.allclose(cp.asnumpy(prime.prime_experts(*args, one_off)), want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 Mixin of CudaBackend with NumpyBackend's names, signatures and meaning, on cupy arrays:
 
     idx, wts = MoeOps().moe_route(x, w_gate, bias, n_group, topk_group, k, scaling)
+    y = expert_tiles(x, idx, gate_w, up_w, down_w, limit)   # [t, k, D]: each slot's expert on its row
 
 Exact class: expert selection uses a strict total order (score, then lower index); each
 expert's outputs sum in a fixed order whatever the row count.
@@ -13,10 +14,42 @@ from __future__ import annotations
 import cupy as cp
 
 from memra.backend.cuda.fp8 import DeviceFp8
-from memra.backend.cuda.moe_tiles import expert_tiles
 from memra.backend.cuda.prime import is_prime, prime_experts
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, weight_kind
-from memra.kernels_cu.constants import MAX_GROUPS, MAX_TOPK, MOE_MAX_EXPERTS
+from memra.kernels_cu.constants import (BF16_OUTS, DOWN_OUTS, GATE_UP_UNITS, MAX_GROUPS, MAX_TOPK,
+                                        MOE_MAX_EXPERTS, WARPS_PER_BLOCK)
+
+
+def expert_tiles(x, idx, gate_w, up_w, down_w, limit: float):
+    """[t, k, D] = down(swiglu(gate x, up x)) of each slot's expert on its row; the stacks bf16
+    bits, DeviceFp8 or float32 (test fixtures), all alike (moe_experts checks them)."""
+    (t, d), k = x.shape, idx.shape[1]
+    e, inter, _ = gate_w.shape
+    h = cp.empty((t, k, inter), cp.float32)
+    y = cp.empty((t, k, d), cp.float32)
+    if isinstance(gate_w, DeviceFp8) or gate_w.dtype == cp.uint16:
+        # tensor-core tiles of gate|up units and of outputs, 8 or 16 rows a pass, blocks only for
+        # the experts the rows route to: their ascending list, made on the device
+        assert e <= MOE_MAX_EXPERTS, f"moe_experts: E={e} experts, at most {MOE_MAX_EXPERTS}"
+        rows, listed = "n1" if t <= 8 else "n2", min(e, t * k)
+        experts, count = cp.empty(listed, cp.int32), cp.empty(1, cp.int32)
+        launch("moe", "moe_expert_list", (1,), (BLOCK,), (idx, i32(t * k), i32(e), experts, count))
+        if isinstance(gate_w, DeviceFp8):  # one byte per weight and a scale per 128-block
+            gate_up = (gate_w.data, gate_w.scale_inv, up_w.data, up_w.scale_inv)
+            down, kind, outs = (down_w.data, down_w.scale_inv), "fp8", BF16_OUTS
+        else:
+            gate_up, down, kind = (gate_w, up_w), (down_w,), "bf16"
+            outs = DOWN_OUTS if rows == "n1" else BF16_OUTS  # moe.cu's down_bf16
+        launch("moe", f"moe_gate_up_{kind}_{rows}", (blocks_of(inter, GATE_UP_UNITS), listed), (BLOCK,),
+               (x, idx, experts, count, *gate_up, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
+        launch("moe", f"moe_down_{kind}_{rows}", (blocks_of(d, outs), listed), (BLOCK,),
+               (h, idx, experts, count, *down, y, i32(t), i32(k), i32(inter), i32(d)))
+    else:  # float32 weights: a block row per expert, idle where none is routed
+        launch("moe", "moe_gate_up_f32", (blocks_of(inter, WARPS_PER_BLOCK), e), (BLOCK,),
+               (x, idx, gate_w, up_w, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
+        launch("moe", "moe_down_f32", (blocks_of(d, WARPS_PER_BLOCK), e), (BLOCK,),
+               (h, idx, down_w, y, i32(t), i32(k), i32(inter), i32(d)))
+    return y
 
 
 class MoeOps:
@@ -78,7 +111,7 @@ class MoeOps:
             out.fill(0)
             return out
         if is_prime(t) and kind != "f32":  # a prompt: cuBLAS GEMMs for the experts of many rows (prime.py)
-            return prime_experts(x, idx, wts, gate_w, up_w, down_w, limit)
+            return prime_experts(x, idx, wts, gate_w, up_w, down_w, limit, expert_tiles)
         y = expert_tiles(x, idx, gate_w, up_w, down_w, limit)
         launch("moe", "moe_combine", (blocks_of(t * d),), (BLOCK,),
                (y, idx, wts, out, i32(t), i32(k), i32(d), i32(e)))

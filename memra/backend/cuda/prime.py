@@ -17,8 +17,8 @@ weight once per 16 rows and run at under 2% of the tensor cores' rate on a long 
   at least 2^-16 (a routed expert's piece rows too: each weight piece meets the row sets of
   the activation pieces it is kept with);
 * a routed expert serving fewer than TILE_ROWS of the prompt's slots runs on the exact tiles
-  (moe_tiles.py, as in a decode step): few rows do not repay its GEMMs' launches, nor an FP8
-  expert's dequantization; the exact tiles are float32-exact products too;
+  (moe.py's expert_tiles, as in a decode step): few rows do not repay its GEMMs' launches, nor
+  an FP8 expert's dequantization; the exact tiles are float32-exact products too;
 * a float32 weight (test fixtures) or the remaining float32 x float32 products (router logits,
   pool scores, mHC partials) run as float32 GEMMs (cupy.matmul: no TF32 unless CUPY_TF32 is set;
   the mHC partials call cuBLAS at COMPUTE_32F directly, never TF32).
@@ -34,7 +34,6 @@ import cupy as cp
 from cupy_backends.cuda.libs import cublas
 
 from memra.backend.cuda.fp8 import DeviceFp8
-from memra.backend.cuda.moe_tiles import expert_tiles
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, blocks_of, check, columns_grid, f32, i32, launch
 from memra.backend.pieces import LEFT_ORDER, PIECES, RIGHT_COPIES, SEGMENTS, piece_map
 from memra.kernels_cu.constants import FP8_PIECES_WIDTH, PIECES_VECTOR
@@ -50,7 +49,7 @@ HC_SPLITS = 16                           # slices of the mHC matvec's flattened 
 # products of size at least 2^-16 of the product are kept
 X_PRODUCTS = ((2, 0), (1, 0), (0, 0))
 WEIGHT_PRODUCTS = ((2, 0), (0, 2), (1, 1), (1, 0), (0, 1), (0, 0))
-# An expert serving fewer slots of a prompt than this runs on the exact tiles (moe_tiles.py):
+# An expert serving fewer slots of a prompt than this runs on the exact tiles (moe.expert_tiles):
 # there it reads its weights once per 16 slots in two launches, where its GEMMs take three
 # launches a weight (FP8: fifteen, and a dequantization of the whole expert) (measured below)
 TILE_ROWS = {"bf16": 0, "fp8": 0}
@@ -202,27 +201,28 @@ def prime_head_linear(x, w):
     return out
 
 
-def prime_experts(x, idx, wts, gate_w, up_w, down_w, limit: float):
+def prime_experts(x, idx, wts, gate_w, up_w, down_w, limit: float, tiles):
     """The routed experts of a prompt's rows -> [t, D], MOE_ROWS rows at a time (the hidden rows
-    of t * k slots in three pieces: about 1.2 KB per slot and hidden unit)."""
+    of t * k slots in three pieces: about 1.2 KB per slot and hidden unit); `tiles`: moe.py's
+    expert_tiles, for the experts of few slots."""
     out = cp.empty_like(x)
     for r0 in range(0, x.shape[0], MOE_ROWS):
         rows = slice(r0, r0 + MOE_ROWS)
-        _experts(x[rows], idx[rows], wts[rows], gate_w, up_w, down_w, limit, out[rows])
+        _experts(x[rows], idx[rows], wts[rows], gate_w, up_w, down_w, limit, tiles, out[rows])
     return out
 
 
-def _experts(x, idx, wts, gate_w, up_w, down_w, limit: float, out) -> None:
+def _experts(x, idx, wts, gate_w, up_w, down_w, limit: float, tiles, out) -> None:
     """out [t, D] (a row slice: contiguous) = the routed experts of x's rows. The host reads the
     slot counts once; the (row, slot) pairs sorted by expert, the experts of at least TILE_ROWS
     slots first: each of those as 3m piece rows, one GEMM per weight (the hidden rows one kernel),
-    the rest on the exact tiles (moe_tiles.py), their pairs gathered as rows of one slot. The
-    weighted sum per row reads each slot's output where it was made."""
+    the rest on the exact tiles, their pairs gathered as rows of one slot. The weighted sum per
+    row reads each slot's output where it was made."""
     (t, k), (e, inter, d) = idx.shape, gate_w.shape
     flat = idx.reshape(-1)
     counts = cp.asnumpy(cp.bincount(flat, minlength=e))
     tiled = counts < TILE_ROWS["fp8" if isinstance(gate_w, DeviceFp8) else "bf16"]
-    # sort keys: a tiled expert's pairs after every GEMM expert's (cupy's argsort is stable)
+    # sort keys: a tiled expert's pairs after every GEMM expert's
     order = cp.argsort(cp.asarray(np.arange(e) + e * tiled)[flat])
     at = cp.empty_like(order)
     at[order] = cp.arange(order.size, dtype=order.dtype)  # pair -> its sorted row
@@ -230,7 +230,7 @@ def _experts(x, idx, wts, gate_w, up_w, down_w, limit: float, out) -> None:
     starts = np.cumsum([0] + [m for _, m in gemm]).tolist()
     slots = starts[-1]  # the GEMM experts' pairs, sorted rows 0..slots-1
     pairs = order[slots:]
-    tile_out = None if not pairs.size else expert_tiles(
+    tile_out = None if not pairs.size else tiles(
         x[pairs // k], flat[pairs].reshape(-1, 1), gate_w, up_w, down_w, limit)
     down = None
     if slots:

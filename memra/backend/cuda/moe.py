@@ -22,7 +22,8 @@ from memra.kernels_cu.constants import (BF16_OUTS, DOWN_OUTS, GATE_UP_UNITS, MAX
 
 def expert_tiles(x, idx, gate_w, up_w, down_w, limit: float):
     """[t, k, D] = down(swiglu(gate x, up x)) of each slot's expert on its row; the stacks bf16
-    bits, DeviceFp8 or float32 (test fixtures), all alike (moe_experts checks them)."""
+    bits, DeviceFp8 or float32 (test fixtures), all alike (moe_experts checks them). Rows of
+    slots no expert serves (an id outside [0, E)) stay unwritten: moe_combine adds 0 for them."""
     (t, d), k = x.shape, idx.shape[1]
     e, inter, _ = gate_w.shape
     h = cp.empty((t, k, inter), cp.float32)

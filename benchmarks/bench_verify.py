@@ -7,7 +7,8 @@ After a --context-token prime, for each t in --rows: the time of model.verify_gr
 (the anchor and its greedy continuation: the rows a fully accepted round verifies; each row's
 argmax taken on the device, as the decode step it is compared with takes its own), beside it
 model.verify_rows (the same walk with its [t, V] logits copied to the host), and apart from
-them the time of model.rollback(keep=1) (every draft rejected); then the walk is undone from
+them the time of model.rollback at keep=1 (every draft rejected) and at keep=t-1 (all but the
+last: the longest KDA replay); then the walk is undone from
 its checkpoint (model.rewind), so every repetition starts from the same cache. Also: the ratio to a plain
 decode step timed in the same run, the weight bytes the walk reads (trunk arrays once, the
 distinct routed experts its rows picked, recorded in an untimed walk; exact on bench-dense too),
@@ -55,6 +56,7 @@ def walk(model, cache, tokens: list[int], reps: int, roof: float | None) -> dict
     model.rewind(cache, ckpt)
     verify, rollback = verify_times(model, cache, tokens, reps)
     with_logits, _ = verify_times(model, cache, tokens, reps, host_logits=True)
+    _, rollback_last = verify_times(model, cache, tokens, reps, keep=max(len(tokens) - 1, 1))
     profile = None if not launches else kernel_profile(
         lambda: verify_times(model, cache, tokens, PROFILED_WALKS), PROFILED_WALKS, list(launches))
     t, ms = len(tokens), float(np.median(verify))
@@ -63,6 +65,7 @@ def walk(model, cache, tokens: list[int], reps: int, roof: float | None) -> dict
     return {
         "rows": t, "verify_ms": ms, "verify_rows_ms": float(np.median(with_logits)),
         "rollback_keep1_ms": float(np.median(rollback)),
+        "rollback_keep_last_ms": float(np.median(rollback_last)),  # t - 1 rows kept: the longest replay
         "weight_bytes": weights["total"], "weight_bytes_by_part": weights,
         "distinct_experts_per_moe_layer": picked,
         "bandwidth_fraction": bandwidth_fraction(weights["total"], ms, roof),
@@ -81,7 +84,7 @@ def card(record: dict) -> list[str]:
         frac = w["bandwidth_fraction"]
         lines.append(f"  t={w['rows']:<2} verify {w['verify_ms']:8.3f} ms  x{w['ratio_to_decode']:5.2f} decode  "
                      f"(logits to the host {w['verify_rows_ms']:8.3f} ms)  "
-                     f"rollback {w['rollback_keep1_ms']:7.3f} ms  weights {w['weight_bytes'] / 1e9:6.2f} GB"
+                     f"rollback {w['rollback_keep1_ms']:7.3f} / {w['rollback_keep_last_ms']:7.3f} ms (keep 1 / t-1)  weights {w['weight_bytes'] / 1e9:6.2f} GB"
                      + (f"  {100 * frac:5.1f}% of copy bw" if frac is not None else ""))
     widest = max(record["verify"].values(), key=lambda w: w["rows"])
     return lines + profile_lines(widest.get("kernel_profile"), f"a {widest['rows']}-row walk with its rollback")

@@ -217,8 +217,8 @@ def greedy_steps(model: Glm5Model, cache, token: int, steps: int, tape: list | N
     return times, token
 
 
-def verify_times(model: Glm5Model, cache, tokens: list[int], reps: int, host_logits: bool = False):
-    """`reps` verify walks of `tokens` at cache.pos, each followed by rollback(keep=1) and
+def verify_times(model: Glm5Model, cache, tokens: list[int], reps: int, host_logits: bool = False, keep: int = 1):
+    """`reps` verify walks of `tokens` at cache.pos, each followed by rollback(keep) and
     rewound -> (ms of each verify, ms of each rollback). The cache ends where it started.
     The walk is verify_greedy, as a greedy round takes it (each row's argmax where the logits
     are, t ints to the host: the decode step's decode_greedy does the same for one row);
@@ -228,7 +228,7 @@ def verify_times(model: Glm5Model, cache, tokens: list[int], reps: int, host_log
     for _ in range(reps):
         ms, (_, _, ckpt) = timed_call(functools.partial(walk, tokens, cache), model.be)
         verify.append(ms)
-        rollback.append(timed_call(functools.partial(model.rollback, cache, ckpt, 1), model.be)[0])
+        rollback.append(timed_call(functools.partial(model.rollback, cache, ckpt, keep), model.be)[0])
         model.rewind(cache, ckpt)
     return verify, rollback
 

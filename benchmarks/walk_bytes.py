@@ -63,9 +63,10 @@ def weight_bytes(model: Glm5Model, experts_read: list[int], rows: int) -> dict[s
 
 def state_bytes(model: Glm5Model, cache, rows: int, snapshot: bool = False) -> dict[str, int]:
     """Cache bytes one walk of `rows` tokens at cache.pos reads: each KDA layer's recurrent state
-    and conv ring (once per walk; with `snapshot`, a verify walk's rollback copy reads and writes
-    them once more), each DSA row's attended latent rows, and the pool keys a full indexer scores
-    once its rows see more pools than the budget."""
+    and conv ring (once per walk; with `snapshot`, once more: the walk writes the state it
+    found and the ring before each row, which a rollback reads back), each DSA row's attended
+    latent rows, and the pool keys a full indexer scores once its rows see more pools than the
+    budget."""
     cfg, pos = model.cfg, cache.pos
     pool, budget = cfg.index_kpool, cfg.index_pool_budget
     kda = sum(st.state.nbytes + st.ring.nbytes for st in cache.kda.values())

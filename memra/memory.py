@@ -14,9 +14,11 @@ The estimate is simple on purpose, and this is all of it:
 * a cache, float32 throughout. Per position: every DSA layer's latent row (kv_lora_rank); for a
   layer with its own indexer, its key and gate rows (2 x index_head_dim) and one pool key per
   index_kpool positions; the MTP block's plane likewise when the model has one (the native
-  drafter allocates it). Fixed: every KDA layer's conv ring ((K-1) x 3C) and state (Hk x dk x dk),
-  VERIFY_CAP + 1 times (the live one and the VERIFY_CAP per-row snapshots a verify walk writes
-  for its rollback and rewind; made at the first verify walk), and one verify walk's attention
+  drafter allocates it). Fixed: every KDA layer's conv ring ((K-1) x 3C), VERIFY_CAP + 1 times
+  (the live one and the ring before each row of a verify walk), its state (Hk x dk x dk) twice
+  (the live one and the one a verify walk found) and a verify walk's recorded rows (VERIFY_CAP x
+  Hk x kda_record_width): the rollback and rewind buffers, made at the first verify walk; and one
+  verify walk's attention
   buffers (VERIFY_CAP rows x heads x index_width, scores and positions). Checked against the
   backend's free memory (`be.free_bytes()` where the backend offers it, else the host's available
   memory).
@@ -38,6 +40,7 @@ import re
 
 from memra.checkpoint_fp8 import SCALE_SUFFIX
 from memra.errors import CheckpointError, InputError
+from memra.backend.numpy_kda import kda_record_width
 from memra.limits import ATTEND_BYTES, ATTEND_ROWS, MOE_ROWS, PRIME_CHUNK, VERIFY_CAP
 from memra.schedules import DSA, KDA
 
@@ -217,8 +220,10 @@ def cache_parts(cfg, layers, mtp: bool) -> tuple[float, int]:
         n_kda += cfg.layer_types[i] == KDA
     if mtp:
         per_pos += cfg.kv_lora_rank + indexer
-    kda = (cfg.linear_conv_kernel_dim - 1) * 3 * cfg.linear_dim + cfg.linear_num_heads * cfg.linear_head_dim ** 2
-    return per_pos, n_kda * kda * (VERIFY_CAP + 1)  # the live ring and state, and a verify walk's snapshots
+    hk, dk = cfg.linear_num_heads, cfg.linear_head_dim
+    ring = (cfg.linear_conv_kernel_dim - 1) * 3 * cfg.linear_dim
+    record = VERIFY_CAP * hk * kda_record_width(dk, dk)
+    return per_pos, n_kda * (ring * (VERIFY_CAP + 1) + 2 * hk * dk * dk + record)  # live, and a walk's rollback buffers
 
 
 def walk_buffer_bytes(cfg) -> int:

@@ -2,8 +2,9 @@
 decay gate, and the delta-rule recurrence with its state (research/kda.md). A mixin of
 NumpyBackend (numpy_ref.py), whose silu and sigmoid it uses; the CUDA twins are in
 backend/cuda/kda.py. The stateful ops walk the rows in order and advance the ring / state in
-place, so a t-row call is t one-row calls; with `rows` they also leave the ring / state before
-each row (the first: what the walk found), which a verify walk's rollback or rewind copies back.
+place, so a t-row call is t one-row calls. For a verify walk's rollback or rewind, short_conv
+leaves the ring before each row (`rows`) and kda_recurrence the state it found and each row's
+inputs (`found`, `record`), which kda_replay walks again up to the rows kept.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ import numpy as np
 from memra.kernels_cu.constants import KDA_CHUNK
 
 F32 = np.float32
+
+
+def kda_record_width(dk: int, dv: int) -> int:
+    """Floats of one (row, head) of a recorded walk: its k, g (before exp), v and beta, in that order."""
+    return 2 * dk + dv + 1
 
 
 class NumpyKdaOps:
@@ -48,17 +54,20 @@ class NumpyKdaOps:
         soft = np.where(z > 20, z, np.log1p(np.exp(np.minimum(z, 20))))
         return (-rate * soft).astype(F32)
 
-    def kda_recurrence(self, q, k, v, g, beta, state: np.ndarray, rows=None) -> np.ndarray:
-        """Delta rule, rows in order, state [Hk, dk, dv] advanced in place; returns o [t, Hk, dv];
-        rows [>= t, Hk, dk, dv] (optional): rows[r] = the state before row r, for r < t.
+    def kda_recurrence(self, q, k, v, g, beta, state: np.ndarray, found=None, record=None) -> np.ndarray:
+        """Delta rule, rows in order, state [Hk, dk, dv] advanced in place; returns o [t, Hk, dv].
+        A verify walk (found and record, or neither) also leaves the state it found in found
+        [Hk, dk, dv] and each row's k | g | v | beta in record [>= t, Hk, kda_record_width]
+        (rows past t untouched): what kda_replay needs for a rollback.
 
         S <- S * exp(g)[:, None]; S += k (x) beta (v - S^T k); o = S^T q.
         """
-        t, hk, _ = q.shape
+        t, hk, dk = q.shape
+        if found is not None:
+            found[...] = state
+            record[:t] = np.concatenate((k, g, v, beta[..., None]), axis=2)
         out = np.empty((t, hk, v.shape[2]), F32)
         for r in range(t):
-            if rows is not None:
-                rows[r] = state
             for h in range(hk):
                 s = state[h] * np.exp(g[r, h])[:, None]
                 delta = (v[r, h] - k[r, h] @ s) * beta[r, h]
@@ -66,6 +75,18 @@ class NumpyKdaOps:
                 state[h] = s
                 out[r, h] = q[r, h] @ s
         return out
+
+    def kda_replay(self, record, found, state: np.ndarray, keep: int) -> None:
+        """Layers side by side (found, state [n, Hk, dk, dv]; record [n, >= keep, Hk, width]):
+        state[j] = found[j] walked again through record[j]'s first `keep` rows, the state the
+        recorded walk left after them, bit for bit (keep = 0: found itself)."""
+        dk, dv = found.shape[2], found.shape[3]
+        for j in range(found.shape[0]):
+            rows = np.ascontiguousarray(record[j, :keep])
+            k, g, v = rows[..., :dk], rows[..., dk:2 * dk], rows[..., 2 * dk:2 * dk + dv]
+            s = found[j].copy()
+            self.kda_recurrence(k, k, v, g, rows[..., 2 * dk + dv], s)
+            state[j] = s
 
     def kda_chunks(self, q, k, v, g, beta, state: np.ndarray, chunk: int = KDA_CHUNK) -> np.ndarray:
         """kda_recurrence for a prompt (prime class) in chunks of `chunk` rows, the chunked

@@ -100,12 +100,15 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // slots, so kda_recurrence_k32 does a dk <= 128 walk's arithmetic exactly as k16 does.
 // The block stages STAGE rows' q, k, exp(g), v and beta in shared memory at a time: exp(g) is
 // taken once per key, not once per state entry, and a row's compute waits on no global load.
-// rows (may be null): S before row r < t is written at rows + r * row_stride ([Hk, dk, dv]),
-// so a rollback to the first r rows is a copy instead of a replay (r = 0: the state the walk
-// found, for a rewind).
-// A snapshot leaves the threads' slots through shared memory (Slab), so each warp store is whole
-// 128-byte key rows; a warp's slots are 4 columns x 8 key lanes, 16 bytes in each of 8 rows (the
-// live state's one load and one store keep that pattern: a snapshot is a store a row).
+// A verify walk records what its rollback needs (found, rec non-null): S as the walk found it at
+// found [Hk, dk, dv], and each row's k, g (before exp), v and beta at rec [t, Hk, rw], a (row,
+// head) laid out k | g | v | beta (rw = 2 dk + dv + 1). kda_replay walks the first keep rows
+// again from found with the same staging and per-row arithmetic, q and o left out (S never reads
+// them), so it leaves S bit for bit as the walk did after those rows: a rollback costs one launch
+// for every layer of a part, and the walk writes one state, not one a row.
+// The found state leaves the threads' slots through shared memory (Slab), so each warp store is
+// whole 128-byte key rows; a warp's slots are 4 columns x 8 key lanes, 16 bytes in each of 8
+// rows (the live state's one load and one store keep that pattern).
 constexpr int KDA_KEY_LANES = MEMRA_BLOCK / KDA_COLS;
 static_assert(KDA_KEY_LANES == 8, "a column's key lanes: 8 adjacent lanes, a 3-level xor tree");
 static_assert(KDA_MAX_DK <= KDA_KEY_LANES * 32, "kda_recurrence_k32 holds 32 keys a thread");
@@ -154,50 +157,66 @@ static __device__ __forceinline__ float key_lanes_sum(float v) {
     return v;
 }
 
-template <int KPT, int STAGE>
-static __device__ void kda_rows(const float* __restrict__ q, const float* __restrict__ k,
-                                const float* __restrict__ v, const float* __restrict__ g,
-                                const float* __restrict__ beta, float* __restrict__ state,
-                                float* __restrict__ out, int t, int hk, int dk, int dv,
-                                float* __restrict__ rows, long long row_stride) {
+// Where kda_rows reads its rows: a walk's q, k, g [t, Hk, dk], v [t, Hk, dv], beta [t, Hk], or a
+// recorded walk's rows (no q). kw, vw, bw: floats from one (row, head) to the next.
+struct KdaRowsIn {
+    const float *q, *k, *g, *v, *beta;
+    int kw, vw, bw;
+};
+
+// REPLAY: S from `from` through the rows, stored to state; no q, no out, nothing recorded.
+template <int KPT, int STAGE, bool REPLAY>
+static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* state, float* __restrict__ out,
+                                int t, int hk, int dk, int dv, float* __restrict__ found,
+                                float* __restrict__ rec, int rw) {
     // a staged key row: each key lane's KPT keys then 4 pad floats; LANE / 4 odd puts the 8
     // lanes' float4 reads of a row in 8 different groups of 4 banks (no conflicts)
     constexpr int LANE = KPT + 4, ROW = KDA_KEY_LANES * LANE;
     static_assert(KPT % KDA_KEY_BLOCK == 0 && (LANE / 4) % 2 == 1, "float4 reads, conflict-free across the key lanes");
-    __shared__ __align__(16) float sq[STAGE][ROW], sk[STAGE][ROW], se[STAGE][ROW];
+    __shared__ __align__(16) float sq[REPLAY ? 1 : STAGE][ROW], sk[STAGE][ROW], se[STAGE][ROW];
     __shared__ float sv[STAGE][KDA_COLS], sb[STAGE];
     __shared__ Slab slab;
     const int h = blockIdx.x, c = threadIdx.x / KDA_KEY_LANES, kq = threadIdx.x % KDA_KEY_LANES;
     const int j0 = blockIdx.y * KDA_COLS, j = j0 + c;
-    const bool active = j < dv;
-    float* const snaps = rows == nullptr ? nullptr : rows + (long long)h * dk * dv;  // head h's S
+    const bool active = j < dv, keys = blockIdx.y == 0;  // the first column block records k, g, beta
     const long long at = (long long)h * dk * dv + j;  // S[0, j]
     float s[KPT];
 #pragma unroll
     for (int m = 0; m < KPT; ++m)
-        s[m] = active && slot_key(m, kq) < dk ? state[at + (long long)slot_key(m, kq) * dv] : 0.0f;
-    if (snaps != nullptr) store_slab<KPT>(s, slab, snaps, dk, dv, j0, c, kq);  // the state found
+        s[m] = active && slot_key(m, kq) < dk ? from[at + (long long)slot_key(m, kq) * dv] : 0.0f;
+    if (found != nullptr) store_slab<KPT>(s, slab, found + (long long)h * dk * dv, dk, dv, j0, c, kq);
     for (int r0 = 0; r0 < t; r0 += STAGE) {
         const int n = min(STAGE, t - r0);
         __syncthreads();  // the previous stage is read
         for (int idx = threadIdx.x; idx < n * KDA_KEY_LANES * KPT; idx += MEMRA_BLOCK) {
             const int r = idx / (KDA_KEY_LANES * KPT), i = idx % (KDA_KEY_LANES * KPT), b = i / KDA_KEY_BLOCK;
             const int slot = b % KDA_KEY_LANES * LANE + b / KDA_KEY_LANES * KDA_KEY_BLOCK + i % KDA_KEY_BLOCK;
-            const long long src = ((long long)(r0 + r) * hk + h) * dk + i;
-            sq[r][slot] = i < dk ? q[src] : 0.0f;
-            sk[r][slot] = i < dk ? k[src] : 0.0f;
-            se[r][slot] = i < dk ? expf(g[src]) : 0.0f;
+            const long long src = ((long long)(r0 + r) * hk + h) * in.kw + i;
+            const float kv = i < dk ? in.k[src] : 0.0f, gv = i < dk ? in.g[src] : 0.0f;
+            if constexpr (!REPLAY) sq[r][slot] = i < dk ? in.q[src] : 0.0f;
+            sk[r][slot] = kv;
+            se[r][slot] = i < dk ? expf(gv) : 0.0f;
+            if (rec != nullptr && keys && i < dk) {
+                float* to = rec + ((long long)(r0 + r) * hk + h) * rw;
+                to[i] = kv;
+                to[dk + i] = gv;
+            }
         }
         for (int idx = threadIdx.x; idx < n * KDA_COLS; idx += MEMRA_BLOCK) {
             const int r = idx / KDA_COLS, cc = idx % KDA_COLS;
-            sv[r][cc] = j0 + cc < dv ? v[((long long)(r0 + r) * hk + h) * dv + j0 + cc] : 0.0f;
+            const float vv = j0 + cc < dv ? in.v[((long long)(r0 + r) * hk + h) * in.vw + j0 + cc] : 0.0f;
+            sv[r][cc] = vv;
+            if (rec != nullptr && j0 + cc < dv) rec[((long long)(r0 + r) * hk + h) * rw + 2 * dk + j0 + cc] = vv;
         }
-        if (threadIdx.x < n) sb[threadIdx.x] = beta[(long long)(r0 + threadIdx.x) * hk + h];
+        if (threadIdx.x < n) {
+            const long long row = (long long)(r0 + threadIdx.x) * hk + h;
+            sb[threadIdx.x] = in.beta[row * in.bw];
+            if (rec != nullptr && keys) rec[row * rw + 2 * dk + dv] = sb[threadIdx.x];
+        }
         __syncthreads();
         for (int r = 0; r < n; ++r) {
             const float4* e4 = reinterpret_cast<const float4*>(&se[r][kq * LANE]);
             const float4* k4 = reinterpret_cast<const float4*>(&sk[r][kq * LANE]);
-            const float4* q4 = reinterpret_cast<const float4*>(&sq[r][kq * LANE]);
             float kk[KPT], ks = 0.0f;
 #pragma unroll
             for (int m4 = 0; m4 < KPT / 4; ++m4) {
@@ -218,22 +237,24 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
             float qs = 0.0f;
 #pragma unroll
             for (int m4 = 0; m4 < KPT / 4; ++m4) {
-                const float4 qv = q4[m4];
-                const float qvv[4] = {qv.x, qv.y, qv.z, qv.w};
+                float qvv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                if constexpr (!REPLAY) {
+                    const float4 qv = reinterpret_cast<const float4*>(&sq[r][kq * LANE])[m4];
+                    qvv[0] = qv.x; qvv[1] = qv.y; qvv[2] = qv.z; qvv[3] = qv.w;
+                }
 #pragma unroll
                 for (int u = 0; u < 4; ++u) {
                     const int m = 4 * m4 + u;
                     if (slot_key(m, kq) < dk) {
                         s[m] = s[m] + kk[m] * delta;
-                        qs += qvv[u] * s[m];
+                        if constexpr (!REPLAY) qs += qvv[u] * s[m];
                     }
                 }
             }
-            qs = key_lanes_sum(qs);
-            const int row = r0 + r;
-            if (active && kq == 0) out[((long long)row * hk + h) * dv + j] = qs;
-            if (snaps != nullptr && row + 1 < t)  // uniform: the block stores whole key rows
-                store_slab<KPT>(s, slab, snaps + (row + 1) * row_stride, dk, dv, j0, c, kq);
+            if constexpr (!REPLAY) {
+                qs = key_lanes_sum(qs);
+                if (active && kq == 0) out[((long long)(r0 + r) * hk + h) * dv + j] = qs;
+            }
         }
     }
     if (active) {
@@ -243,14 +264,28 @@ static __device__ void kda_rows(const float* __restrict__ q, const float* __rest
     }
 }
 
+// The walk: grid (Hk, ceil(dv / KDA_COLS)), block MEMRA_BLOCK; found, rec null unless recording.
+// The replay: grid (Hk, ceil(dv / KDA_COLS), layers): layer z's rec at rec + z cap Hk rw (k | g | v
+// | beta), its found and state planes [Hk, dk, dv] side by side.
 #define KDA_RECURRENCE(NAME, KPT, STAGE)                                                              \
     extern "C" __global__ void NAME(const float* __restrict__ q, const float* __restrict__ k,         \
                                     const float* __restrict__ v, const float* __restrict__ g,         \
-                                    const float* __restrict__ beta, float* __restrict__ state,        \
+                                    const float* __restrict__ beta, float* state,                     \
                                     float* __restrict__ out, int t, int hk, int dk, int dv,           \
-                                    float* __restrict__ rows, long long row_stride) {                 \
+                                    float* __restrict__ found, float* __restrict__ rec, int rw) {     \
         after_predecessor();                                                                          \
-        kda_rows<KPT, STAGE>(q, k, v, g, beta, state, out, t, hk, dk, dv, rows, row_stride);          \
+        kda_rows<KPT, STAGE, false>(KdaRowsIn{q, k, g, v, beta, dk, dv, 1}, state, state, out, t, hk, \
+                                    dk, dv, found, rec, rw);                                          \
+    }                                                                                                 \
+    extern "C" __global__ void NAME##_replay(const float* __restrict__ rec, const float* found,        \
+                                             float* state, int keep, int hk, int dk, int dv, int rw,  \
+                                             int cap) {                                               \
+        after_predecessor();                                                                          \
+        const float* r = rec + (long long)blockIdx.z * cap * hk * rw;                                 \
+        const long long plane = (long long)blockIdx.z * hk * dk * dv;                                 \
+        kda_rows<KPT, STAGE, true>(KdaRowsIn{nullptr, r, r + dk, r + 2 * dk, r + 2 * dk + dv, rw, rw, rw}, \
+                                   found + plane, state + plane, nullptr, keep, hk, dk, dv, nullptr,  \
+                                   nullptr, rw);                                                      \
     }
 // dk <= 128 (every KDA checkpoint so far): a verify walk in one stage
 KDA_RECURRENCE(kda_recurrence_k16, 16, VERIFY_CAP)

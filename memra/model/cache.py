@@ -19,25 +19,30 @@ from memra.errors import ResidencyError
 @dataclass
 class KdaPart:
     """The KDA layers of one cache part (a whole trunk, or one pipeline stage): their live rings
-    and states side by side, and what a verify walk writes for a rollback: ring_rows[r] and
-    state_rows[r] are every layer's ring and state before row r of the walk (r < t; r = 0 is
-    what the walk found, for a rewind). A rollback to keep rows is then two copies, whatever the
-    layer count. Why snapshots and not a replay of the kept rows (README, Performance): they
-    cost VERIFY_CAP states of memory a layer and t state writes a verify walk, written by the
-    kernels as they walk; the replay cost a recurrence launch and its host round trips a layer:
-    1.5-1.65 ms a rollback on `bench-dense` against 0.07-0.13 ms."""
+    and states side by side, and what a verify walk leaves for its rollback: ring_rows[r], every
+    layer's ring before row r of the walk (r < t); found, every layer's state as the walk found
+    it; record, each layer's walked rows (k | g | v | beta, kda_record_width floats a head).
+    A rollback to keep rows copies ring_rows[keep] and walks each state again from found through
+    the first keep recorded rows, all layers in one launch: the same bits the walk left there.
+    Why a replay and not a state a row: a state is the large plane (Hk dk dv floats a layer;
+    GLM-5-Next's 4 MB on each of its KDA layers), so one a row cost VERIFY_CAP of them in memory
+    and t of them written every verify walk, where the record is 3 dk + 1 floats a row and head."""
 
     layers: tuple               # trunk layer indices, in slot order
     ring: object                # [n, K-1, 3C]
     state: object               # [n, Hk, dk, dv] float32
     ring_rows: object = None    # [VERIFY_CAP, n, K-1, 3C], made by the first verify walk
-    state_rows: object = None   # [VERIFY_CAP, n, Hk, dk, dv]
+    found: object = None        # [n, Hk, dk, dv]
+    record: object = None       # [n, VERIFY_CAP, Hk, kda_record_width(dk, dv)]
 
     def restore(self, keep: int, be) -> None:
         """Every layer back to `keep` rows into the last verify walk (0 <= keep < its t; 0: where
-        the walk found them): two in-place copies on backend `be`."""
+        the walk found them, a copy of the found states) on backend `be`."""
         be.assign(self.ring, self.ring_rows[keep])
-        be.assign(self.state, self.state_rows[keep])
+        if keep:
+            be.kda_replay(self.record, self.found, self.state, keep)
+        else:
+            be.assign(self.state, self.found)
 
 
 @dataclass
@@ -48,8 +53,9 @@ class KdaState:
     slot: int = 0  # this layer's index in its part
 
     def snapshots(self) -> tuple:
-        """(ring rows, state rows) of this layer: [VERIFY_CAP, ...] strided views."""
-        return self.part.ring_rows[:, self.slot], self.part.state_rows[:, self.slot]
+        """(ring rows [VERIFY_CAP, K-1, 3C] strided, found [Hk, dk, dv], record [VERIFY_CAP, Hk,
+        width]) of this layer: what its verify walk writes."""
+        return self.part.ring_rows[:, self.slot], self.part.found[self.slot], self.part.record[self.slot]
 
 
 @dataclass

@@ -199,8 +199,9 @@ class Glm5Model:
 
     def rollback(self, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
         """Commit the first `keep` rows of a verify walk (1 <= keep <= t) and undo the rest:
-        latent planes truncate (pool keys clamped), KDA rings and states are copied back from
-        the walk's per-row snapshots, cache.pos = snapshot + keep."""
+        latent planes truncate (pool keys clamped), KDA rings are copied back from the walk's
+        per-row snapshots and states walked again from the ones it found through its kept rows
+        (KdaPart.restore), cache.pos = snapshot + keep."""
         self._check_cache(cache, "rollback")
         if not isinstance(ckpt, VerifyCkpt) or ckpt.cache is not cache:
             raise InputError("rollback: this checkpoint was not taken on this cache by verify_rows")
@@ -261,8 +262,8 @@ class Glm5Model:
         past VERIFY_CAP rows (a prompt) the logits are the last row's only, [1, V].
 
         Writes every state plane for the t rows; does not move cache.pos (the caller commits).
-        `snapshots`: the KDA layers also write their per-row rollback snapshots (a verify
-        walk; the cache's snapshot buffers must exist). `taps` (layer -> None) is filled with
+        `snapshots`: the KDA layers also write what a rollback needs (a verify walk; the
+        cache's rollback buffers must exist, KdaPart). `taps` (layer -> None) is filled with
         each named layer's contracted output rows. With `replay` the cache's walk runner may
         replay a captured graph of this walk shape (a prefill passes False: its length
         varies). logits and collapsed may be the graph's buffers, which the shape's next walk

@@ -1,14 +1,17 @@
-"""The per-row snapshots a verify walk's KDA ops write for its rollback (`rows`): on both
-backends, rows[r] of a t-row short_conv / kda_recurrence is, bit for bit, the ring / state that
-the first r rows alone leave (rows[0]: the one the call found, a rewind's; rows past t - 1
-untouched), written through a strided view (one layer's slot of a part's [rows, layers, ...]
-buffer). Red arm: a snapshot taken after the row's update instead of before it is caught."""
+"""What a verify walk's KDA ops leave for its rollback, on both backends. short_conv's `rows`:
+rows[r] of a t-row call is, bit for bit, the ring that the first r rows alone leave (rows[0]: the
+one the call found; rows past t - 1 untouched), written through a strided view (one layer's slot
+of a part's [rows, layers, ...] buffer). kda_recurrence's `found` and `record`: kda_replay of the
+first r recorded rows, every layer of a part in one call, leaves each state bit for bit as the
+first r rows alone do (r = 0: the state found). Red arms: a ring snapshot taken after its row's
+update, and a replay one row short, are caught."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from memra.backend.numpy_kda import kda_record_width
 from memra.backend.numpy_ref import NumpyBackend
 from tests.backend.inputs import normal, uniform
 
@@ -31,19 +34,18 @@ def _backend(name):
     return CudaBackend(), cp.asarray, cp.asnumpy
 
 
-def _inputs(t, dk=32, dv=32):
-    rng = np.random.default_rng(3)
+def _inputs(t, dk=32, dv=32, seed=3):
+    rng = np.random.default_rng(seed)
     q, k = normal(rng, (t, HK, dk), 0.2), normal(rng, (t, HK, dk), 0.2)
     return {"q": q, "k": k, "v": normal(rng, (t, HK, dv)), "g": uniform(rng, (t, HK, dk), -0.5, -0.01),
             "beta": uniform(rng, (t, HK), 0.1, 0.9), "state": normal(rng, (HK, dk, dv), 0.1),
             "x": normal(rng, (t, C)), "ring": normal(rng, (K - 1, C)), "w": normal(rng, (C, K), 0.5)}
 
 
-def _recurrence(be, dev, a, rows_of=None, t=T):
+def _recurrence(be, dev, a, t=T):
     state = dev(a["state"].copy())
-    rows = None if rows_of is None else rows_of(state.shape)
-    be.kda_recurrence(*(dev(a[n][:t]) for n in ("q", "k", "v", "g", "beta")), state, rows)
-    return state, rows
+    be.kda_recurrence(*(dev(a[n][:t]) for n in ("q", "k", "v", "g", "beta")), state)
+    return state
 
 
 def _conv(be, dev, a, rows_of=None, t=T):
@@ -53,42 +55,82 @@ def _conv(be, dev, a, rows_of=None, t=T):
     return ring, rows
 
 
-@pytest.mark.parametrize("op,shape", [(_recurrence, s) for s in SHAPES] + [(_conv, SHAPES[0])],
-                         ids=[f"kda_recurrence_dk{dk}_dv{dv}" for dk, dv in SHAPES] + ["short_conv"])
 @pytest.mark.parametrize("backend", _backends())
-def test_row_r_is_what_the_first_r_rows_leave(backend, op, shape):
+def test_ring_row_r_is_what_the_first_r_rows_leave(backend):
     be, dev, host = _backend(backend)
-    a = _inputs(T, *shape)
+    a = _inputs(T)
     sentinel = np.float32(-7.0)
-
-    def rows_of(shape):  # slot 1 of a [T + 1, 2, ...] buffer: a strided view, one spare row
-        return dev(np.full((T + 1, 2, *shape), sentinel, np.float32))[:, 1]
-
-    final, rows = op(be, dev, a, rows_of)
+    buf = dev(np.full((T + 1, 2, K - 1, C), sentinel, np.float32))[:, 1]  # a strided view, one spare row
+    final, rows = _conv(be, dev, a, lambda shape: buf)
     rows = host(rows)
     for r in range(T):
-        alone, _ = op(be, dev, a, t=r)
-        assert np.array_equal(rows[r], host(alone)), f"row {r}"
-    assert np.all(rows[T:] == sentinel)  # the ring / state after the last row is the live one
-    assert np.array_equal(host(final), host(op(be, dev, a)[0]))  # snapshots change nothing else
+        assert np.array_equal(rows[r], host(_conv(be, dev, a, t=r)[0])), f"row {r}"
+    assert np.all(rows[T:] == sentinel)  # the ring after the last row is the live one
+    assert np.array_equal(host(final), host(_conv(be, dev, a)[0]))  # snapshots change nothing else
+
+
+def _recorded_walk(be, dev, layers):
+    """Each layer's T-row walk recording into slot j of a part's buffers (a spare recorded row
+    past T, filled with a sentinel). Returns (found, record, states after the walks, outputs)."""
+    (dk, dv), n = layers[0]["state"].shape[1:], len(layers)
+    found = dev(np.zeros((n, HK, dk, dv), np.float32))
+    record = dev(np.full((n, T + 1, HK, kda_record_width(dk, dv)), -7.0, np.float32))
+    states, outs = [], []
+    for j, a in enumerate(layers):
+        state = dev(a["state"].copy())
+        outs.append(be.kda_recurrence(*(dev(a[n]) for n in ("q", "k", "v", "g", "beta")), state, found[j], record[j]))
+        states.append(state)
+    return found, record, states, outs
+
+
+@pytest.mark.parametrize("dk,dv", SHAPES, ids=[f"dk{dk}_dv{dv}" for dk, dv in SHAPES])
+@pytest.mark.parametrize("backend", _backends())
+def test_replaying_r_recorded_rows_is_what_the_first_r_rows_leave(backend, dk, dv):
+    be, dev, host = _backend(backend)
+    layers = [_inputs(T, dk, dv, seed) for seed in (3, 4)]
+    found, record, states, outs = _recorded_walk(be, dev, layers)
+    for j, a in enumerate(layers):  # recording changes nothing the walk returns or leaves
+        plain = dev(a["state"].copy())
+        assert np.array_equal(host(outs[j]), host(be.kda_recurrence(*(dev(a[n]) for n in ("q", "k", "v", "g", "beta")), plain)))
+        assert np.array_equal(host(states[j]), host(plain))
+        assert np.array_equal(host(found[j]), a["state"])
+    assert np.all(host(record)[:, T:] == -7.0)  # rows past the walk untouched
+    for r in range(T + 1):
+        state = dev(np.full(found.shape, 5.0, np.float32))
+        be.kda_replay(record, found, state, r)
+        for j, a in enumerate(layers):
+            assert np.array_equal(host(state)[j], host(_recurrence(be, dev, a, t=r))), f"layer {j}, {r} rows"
+
+
+class _ShortReplay(NumpyBackend):
+    """The mutation: a replay that walks one recorded row too few."""
+
+    def kda_replay(self, record, found, state, keep):
+        super().kda_replay(record, found, state, max(keep - 1, 0))
+
+
+def test_red_arm_a_replay_one_row_short_is_caught():
+    layers = [_inputs(T)]
+    found, record, _, _ = _recorded_walk(NumpyBackend(), np.asarray, layers)
+    state = np.zeros_like(found)
+    _ShortReplay().kda_replay(record, found, state, 3)
+    assert not np.array_equal(state[0], _recurrence(NumpyBackend(), np.asarray, layers[0], t=3))
 
 
 class _LateSnapshots(NumpyBackend):
-    """The mutation: each snapshot taken after its row's update (the next row's state)."""
+    """The mutation: each ring snapshot taken after its row's update (the next row's ring)."""
 
-    def kda_recurrence(self, q, k, v, g, beta, state, rows=None):
-        out = np.empty((q.shape[0], *v.shape[1:]), np.float32)
-        for r in range(q.shape[0]):
-            out[r] = super().kda_recurrence(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1], beta[r:r + 1], state)[0]
+    def short_conv(self, x, ring, w, rows=None, groups: int = 1):
+        out = np.empty_like(x)
+        for r in range(x.shape[0]):
+            out[r] = super().short_conv(x[r:r + 1], ring, w)[0]
             if rows is not None:
-                rows[r] = state
+                rows[r] = ring
         return out
 
 
-def test_red_arm_a_snapshot_taken_after_its_row_is_caught():
+def test_red_arm_a_ring_snapshot_taken_after_its_row_is_caught():
     a = _inputs(T)
-    rows = np.zeros((T, *a["state"].shape), np.float32)
-    state = a["state"].copy()
-    _LateSnapshots().kda_recurrence(*(a[n] for n in ("q", "k", "v", "g", "beta")), state, rows)
-    alone, _ = _recurrence(NumpyBackend(), np.asarray, a, t=1)
-    assert not np.array_equal(rows[1], alone)
+    rows = np.zeros((T, K - 1, C), np.float32)
+    _LateSnapshots().short_conv(a["x"], a["ring"].copy(), a["w"], rows)
+    assert not np.array_equal(rows[1], _conv(NumpyBackend(), np.asarray, a, t=1)[0])

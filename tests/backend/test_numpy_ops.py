@@ -237,6 +237,7 @@ def test_row_table_covers_every_row_op_of_the_backend():
                    "xp", "compiles_on_first_use", "device_name", "synchronize",  # capabilities
                    "write_rows", "kpool_finalize",  # plane writes: tests/model/test_plane_writes.py
                    "short_conv", "kda_recurrence",  # the stateful table below
+                   "kda_replay",  # a rollback's state walk: tests/backend/test_kda_snapshots.py
                    "kda_chunks",  # prime class, not row invariant: tests/backend/test_kda_chunks.py
                    "block_attention"}  # a block's rows attend to each other: tests/drafters/test_dflash2_graphs.py
     ops = {n for n in dir(NumpyBackend) if not n.startswith("_")}

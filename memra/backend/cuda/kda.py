@@ -16,13 +16,14 @@ import cupy as cp
 from memra.backend.cuda.kda_chunks import kda_shapes, prime_kda
 from memra.backend.cuda.prime import is_prime
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, device_input, f32, grid_1d, i32, launch
+from memra.backend.numpy_kda import kda_record_width
 from memra.kernels_cu.constants import (KDA_CHUNK_MAX_DK, KDA_COLS, KDA_CONV_LANES, KDA_CONV_SPAN, KDA_MAX_CONV,
                                         KDA_MAX_DK)
 
 
 def _rows(rows, t: int, shape: tuple, what: str):
-    """(pointer or None, row stride in elements) of a snapshot buffer: rows[r] ([*shape],
-    C-contiguous) takes the ring / state before row r < t; rows may be a strided view."""
+    """(pointer or None, row stride in elements) of short_conv's snapshot buffer: rows[r]
+    ([*shape], C-contiguous) takes the ring before row r < t; rows may be a strided view."""
     if rows is None:
         return None, np.int64(0)
     assert isinstance(rows, cp.ndarray) and rows.dtype == cp.float32, f"{what}: rows must be float32 cupy"
@@ -68,21 +69,50 @@ class KdaOps:
                     f32(lower_bound if has_lb else 0.0)))
         return out
 
-    def kda_recurrence(self, q, k, v, g, beta, state, rows=None):
+    def kda_recurrence(self, q, k, v, g, beta, state, found=None, record=None):
         """Delta rule over the rows in order; state [Hk, dk, dv] float32 advances in place;
-        returns o [t, Hk, dv]. Parallel over (head, value column), never over rows. rows: the
-        state before each row (see _rows). A prompt (prime class, no snapshots)
-        takes the chunked scan instead (kda_chunks.py)."""
+        returns o [t, Hk, dv]. Parallel over (head, value column), never over rows. A verify
+        walk also writes found and record (NumpyBackend.kda_recurrence; C-contiguous float32).
+        A prompt (prime class, nothing recorded) takes the chunked scan instead (kda_chunks.py)."""
         q, k, v = device_input(q, "q"), device_input(k, "k"), device_input(v, "v")
         g, beta = device_input(g, "g"), device_input(beta, "beta")
         t, hk, dk, dv = kda_shapes("kda_recurrence", q, k, v, g, beta, state)
         assert dk <= KDA_MAX_DK, f"kda_recurrence: dk={dk}, at most {KDA_MAX_DK} (raise KDA_MAX_DK)"
-        if is_prime(t) and rows is None and dk <= KDA_CHUNK_MAX_DK:  # a prompt: the chunked scan
+        if is_prime(t) and found is None and dk <= KDA_CHUNK_MAX_DK:  # a prompt: the chunked scan
             return prime_kda(q, k, v, g, beta, state)
         out = cp.empty((t, hk, dv), cp.float32)
-        snap, stride = _rows(rows, t, (hk, dk, dv), "kda_recurrence")
+        width = kda_record_width(dk, dv)
+        assert (found is None) == (record is None), "kda_recurrence: found and record go together"
+        if found is not None:
+            _buffer(found, "found", hk, dk, dv)
+            _buffer(record, "record", None, hk, width)
+            assert record.shape[0] >= t, f"record: {record.shape[0]} rows for a walk of {t}"
         if t:
-            name = "kda_recurrence_k16" if dk <= 128 else "kda_recurrence_k32"  # keys a thread holds
-            launch("kda", name, (hk, blocks_of(dv, KDA_COLS)), (BLOCK,),
-                   (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv), snap, stride))
+            launch("kda", _recurrence(dk), (hk, blocks_of(dv, KDA_COLS)), (BLOCK,),
+                   (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv), found, record, i32(width)))
         return out
+
+    def kda_replay(self, record, found, state, keep: int) -> None:
+        """state[j] = found[j] walked again through record[j]'s first `keep` rows, every layer j
+        in one launch (NumpyBackend.kda_replay): the walk's own kernel and arithmetic, so its bits."""
+        check(state, cp.float32, "state")
+        n, hk, dk, dv = state.shape
+        width = kda_record_width(dk, dv)
+        _buffer(found, "found", n, hk, dk, dv)
+        _buffer(record, "record", n, None, hk, width)
+        assert 0 <= keep <= record.shape[1], f"kda_replay: keep={keep} of {record.shape[1]} recorded rows"
+        if n:
+            launch("kda", _recurrence(dk) + "_replay", (hk, blocks_of(dv, KDA_COLS), n), (BLOCK,),
+                   (record, found, state, i32(keep), i32(hk), i32(dk), i32(dv), i32(width), i32(record.shape[1])))
+
+
+def _recurrence(dk: int) -> str:
+    """The recurrence kernel for key dim dk: the keys a thread holds."""
+    return "kda_recurrence_k16" if dk <= 128 else "kda_recurrence_k32"
+
+
+def _buffer(a, what: str, *shape) -> None:
+    """A rollback buffer: a C-contiguous float32 cupy array of `shape` (None: any length there)."""
+    ok = (isinstance(a, cp.ndarray) and a.dtype == cp.float32 and a.flags.c_contiguous and a.ndim == len(shape)
+          and all(want is None or want == got for want, got in zip(shape, a.shape)))
+    assert ok, f"{what}: {getattr(a, 'shape', a)}, expected a C-contiguous float32 cupy array of {shape}"

@@ -266,30 +266,32 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
 
 // The walk: grid (Hk, ceil(dv / KDA_COLS)), block MEMRA_BLOCK; found, rec null unless recording.
 // The replay: grid (Hk, ceil(dv / KDA_COLS), layers): layer z's rec at rec + z cap Hk rw (k | g | v
-// | beta), its found and state planes [Hk, dk, dv] side by side.
-#define KDA_RECURRENCE(NAME, KPT, STAGE)                                                              \
-    extern "C" __global__ void NAME(const float* __restrict__ q, const float* __restrict__ k,         \
-                                    const float* __restrict__ v, const float* __restrict__ g,         \
-                                    const float* __restrict__ beta, float* state,                     \
-                                    float* __restrict__ out, int t, int hk, int dk, int dv,           \
-                                    float* __restrict__ found, float* __restrict__ rec, int rw) {     \
-        after_predecessor();                                                                          \
-        kda_rows<KPT, STAGE, false>(KdaRowsIn{q, k, g, v, beta, dk, dv, 1}, state, state, out, t, hk, \
-                                    dk, dv, found, rec, rw);                                          \
-    }                                                                                                 \
-    extern "C" __global__ void NAME##_replay(const float* __restrict__ rec, const float* found,        \
-                                             float* state, int keep, int hk, int dk, int dv, int rw,  \
-                                             int cap) {                                               \
-        after_predecessor();                                                                          \
-        const float* r = rec + (long long)blockIdx.z * cap * hk * rw;                                 \
-        const long long plane = (long long)blockIdx.z * hk * dk * dv;                                 \
-        kda_rows<KPT, STAGE, true>(KdaRowsIn{nullptr, r, r + dk, r + 2 * dk, r + 2 * dk + dv, rw, rw, rw}, \
-                                   found + plane, state + plane, nullptr, keep, hk, dk, dv, nullptr,  \
-                                   nullptr, rw);                                                      \
+// | beta), its found and state planes [Hk, dk, dv] side by side. Its blocks outnumber what the GPU
+// holds at once (every layer's heads), so REPLAY_BLOCKS of them share an SM: k16's replay fits 3
+// in 80 registers without spilling (a rollback keeping 7 rows of bench's 9 layers: 81 -> 67 us).
+#define KDA_RECURRENCE(NAME, KPT, STAGE, REPLAY_BLOCKS)                                                  \
+    extern "C" __global__ void NAME(const float* __restrict__ q, const float* __restrict__ k,            \
+                                    const float* __restrict__ v, const float* __restrict__ g,            \
+                                    const float* __restrict__ beta, float* state,                        \
+                                    float* __restrict__ out, int t, int hk, int dk, int dv,              \
+                                    float* __restrict__ found, float* __restrict__ rec, int rw) {        \
+        after_predecessor();                                                                             \
+        kda_rows<KPT, STAGE, false>(KdaRowsIn{q, k, g, v, beta, dk, dv, 1}, state, state, out, t, hk,    \
+                                    dk, dv, found, rec, rw);                                             \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, REPLAY_BLOCKS)                             \
+        NAME##_replay(const float* __restrict__ rec, const float* found, float* state, int keep, int hk, \
+                      int dk, int dv, int rw, int cap) {                                                 \
+        after_predecessor();                                                                             \
+        const float* r = rec + (long long)blockIdx.z * cap * hk * rw;                                    \
+        const long long plane = (long long)blockIdx.z * hk * dk * dv;                                    \
+        const KdaRowsIn in{nullptr, r, r + dk, r + 2 * dk, r + 2 * dk + dv, rw, rw, rw};                 \
+        kda_rows<KPT, STAGE, true>(in, found + plane, state + plane, nullptr, keep, hk, dk, dv, nullptr, \
+                                   nullptr, rw);                                                         \
     }
 // dk <= 128 (every KDA checkpoint so far): a verify walk in one stage
-KDA_RECURRENCE(kda_recurrence_k16, 16, VERIFY_CAP)
-KDA_RECURRENCE(kda_recurrence_k32, 32, 8)   // up to KDA_MAX_DK; shared memory holds 8 rows of 256 keys
+KDA_RECURRENCE(kda_recurrence_k16, 16, VERIFY_CAP, 3)
+KDA_RECURRENCE(kda_recurrence_k32, 32, 8, 1)   // up to KDA_MAX_DK; shared memory holds 8 rows of 256 keys
 
 // short_conv for a prompt (prime class): the rows split into spans of KDA_CONV_SPAN, a thread
 // per (channel, span), each output's taps in the same order as short_conv (so the same bits).

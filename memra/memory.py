@@ -18,10 +18,9 @@ The estimate is simple on purpose, and this is all of it:
   (the live one and the ring before each row of a verify walk), its state (Hk x dk x dk) twice
   (the live one and the one a verify walk found) and a verify walk's recorded rows (VERIFY_CAP x
   Hk x kda_record_width): the rollback and rewind buffers, made at the first verify walk; and one
-  verify walk's attention
-  buffers (VERIFY_CAP rows x heads x index_width, scores and positions). Checked against the
-  backend's free memory (`be.free_bytes()` where the backend offers it, else the host's available
-  memory).
+  verify walk's attention buffers (VERIFY_CAP rows x heads x index_width, scores and positions).
+  Checked against the backend's free memory (`be.free_bytes()` where the backend offers it, else
+  the host's available memory).
 * on a GPU, a prompt walk's transient buffers (prime_buffer_bytes): the device plan counts them,
   the cache check above does not (they come and go with each prompt).
 
@@ -38,9 +37,9 @@ import math
 import os
 import re
 
+from memra.backend.numpy_kda import kda_record_width
 from memra.checkpoint_fp8 import SCALE_SUFFIX
 from memra.errors import CheckpointError, InputError
-from memra.backend.numpy_kda import kda_record_width
 from memra.limits import ATTEND_BYTES, ATTEND_ROWS, MOE_ROWS, PRIME_CHUNK, VERIFY_CAP
 from memra.schedules import DSA, KDA
 

@@ -8,8 +8,8 @@ After a --context-token prime, for each t in --rows: the time of model.verify_gr
 argmax taken on the device, as the decode step it is compared with takes its own), beside it
 model.verify_rows (the same walk with its [t, V] logits copied to the host), and apart from
 them the time of model.rollback at keep=1 (every draft rejected) and at keep=t-1 (all but the
-last: the longest KDA replay); then the walk is undone from
-its checkpoint (model.rewind), so every repetition starts from the same cache. Also: the ratio to a plain
+last: the longest KDA replay); then the walk is undone from its checkpoint (model.rewind), so
+every repetition starts from the same cache. Also: the ratio to a plain
 decode step timed in the same run, the weight bytes the walk reads (trunk arrays once, the
 distinct routed experts its rows picked, recorded in an untimed walk; exact on bench-dense too),
 the state bytes it reads, and the fraction of the copy bandwidth (none on numpy). Prints a card on

@@ -112,7 +112,7 @@ def _recurrence(dk: int) -> str:
 
 
 def _buffer(a, what: str, *shape) -> None:
-    """A rollback buffer: a C-contiguous float32 cupy array of `shape` (None: any length there)."""
-    ok = (isinstance(a, cp.ndarray) and a.dtype == cp.float32 and a.flags.c_contiguous and a.ndim == len(shape)
-          and all(want is None or want == got for want, got in zip(shape, a.shape)))
-    assert ok, f"{what}: {getattr(a, 'shape', a)}, expected a C-contiguous float32 cupy array of {shape}"
+    """A rollback buffer: check()'s C-contiguous float32 array, of `shape` (None: any length there)."""
+    check(a, cp.float32, what)
+    assert a.ndim == len(shape) and all(want is None or want == got for want, got in zip(shape, a.shape)), (
+        f"{what}: {a.shape}, expected {shape}")

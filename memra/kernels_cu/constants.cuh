@@ -97,9 +97,6 @@
 #ifndef GATE_UP_UNITS
 #define GATE_UP_UNITS 16
 #endif
-#ifndef DOWN_OUTS
-#define DOWN_OUTS 64
-#endif
 #ifndef PIECES_VECTOR
 #define PIECES_VECTOR 4
 #endif

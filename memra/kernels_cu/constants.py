@@ -60,8 +60,6 @@ MOE_MAX_EXPERTS = 3072   # moe_expert_list marks experts in shared memory (route
 MAX_TOPK = 32            # moe_route_select places the chosen experts in shared memory
 MAX_GROUPS = 64          # ... and the kept groups in a 64-bit mask
 GATE_UP_UNITS = 16       # intermediate units per bf16 gate|up tile (16 gate rows, 16 up rows)
-DOWN_OUTS = 64           # outputs per bf16 expert down tile of 8 rows: 64 rows of I in-features, the
-                         # weight bytes a gate|up tile reads (32 rows of D = 2 I)
 
 # prime.cu: values a thread of the elementwise kernels where a row's length allows (16-byte loads)
 PIECES_VECTOR = 4     # bf16_pieces, swiglu_pieces: float32 values
@@ -99,7 +97,6 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "MAX_TOPK": MAX_TOPK,
     "MAX_GROUPS": MAX_GROUPS,
     "GATE_UP_UNITS": GATE_UP_UNITS,
-    "DOWN_OUTS": DOWN_OUTS,
     "PIECES_VECTOR": PIECES_VECTOR,
     "FP8_PIECES_WIDTH": FP8_PIECES_WIDTH,
     "DRAFT_MAX_HD": DRAFT_MAX_HD,

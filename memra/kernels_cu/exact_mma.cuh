@@ -57,8 +57,8 @@ static __device__ __forceinline__ void split_pieces(const float (&v)[2 * W], uns
 
 // 16 weight bytes. STREAM: read-only, no L1 line (a decode tile reads each weight byte once) and
 // a 256-byte L2 fetch (the sectors the row's next k-steps read). Graph-timed at the bench shapes
-// it took 2-5% off the projection tiles (bf16 and FP8) and the FP8 experts, same bits; the bf16
-// expert tiles keep plain loads (4% slower with it at 8 rows, where passes re-read the weights).
+// it took 2-5% off the projection tiles (bf16 and FP8) and the FP8 experts, same bits, and 18%
+// off the bf16 experts' one-pass down tile (moe_passes.cuh); their gate|up tiles keep plain loads.
 // volatile: an asm without it counts as reading no memory, so the compiler may run it ahead of
 // the bounds test that guards it (the prefetching 16-row tile did: misaligned and out-of-range
 // reads on odd shapes).
@@ -175,7 +175,7 @@ static __device__ __forceinline__ void mma_step(float (&acc)[J][NT][4], const ui
     }
 }
 
-// STREAM: the kind of the weight loads (load_weights16); the bf16 expert tiles pass false.
+// STREAM: the kind of the weight loads (load_weights16); the bf16 gate|up expert tiles pass false.
 // PREFETCH: a k-block's loads are issued before the previous block's MMAs, so a warp keeps two
 // blocks in flight (the projection groups' 16-row tiles: 15-18% faster at the bench shapes, the
 // same bits); the expert tiles keep one (with two, their extra registers cost blocks an SM and

@@ -16,7 +16,7 @@ import cupy as cp
 from memra.backend.cuda.fp8 import DeviceFp8
 from memra.backend.cuda.prime import is_prime, prime_experts
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, weight_kind
-from memra.kernels_cu.constants import (BF16_OUTS, DOWN_OUTS, GATE_UP_UNITS, MAX_GROUPS, MAX_TOPK,
+from memra.kernels_cu.constants import (BF16_OUTS, GATE_UP_UNITS, MAX_GROUPS, MAX_TOPK,
                                         MOE_MAX_EXPERTS, WARPS_PER_BLOCK)
 
 
@@ -37,13 +37,12 @@ def expert_tiles(x, idx, gate_w, up_w, down_w, limit: float):
         launch("moe", "moe_expert_list", (1,), (BLOCK,), (idx, i32(t * k), i32(e), experts, count))
         if isinstance(gate_w, DeviceFp8):  # one byte per weight and a scale per 128-block
             gate_up = (gate_w.data, gate_w.scale_inv, up_w.data, up_w.scale_inv)
-            down, kind, outs = (down_w.data, down_w.scale_inv), "fp8", BF16_OUTS
+            down, kind = (down_w.data, down_w.scale_inv), "fp8"
         else:
             gate_up, down, kind = (gate_w, up_w), (down_w,), "bf16"
-            outs = DOWN_OUTS if rows == "n1" else BF16_OUTS  # moe.cu's down_bf16
         launch("moe", f"moe_gate_up_{kind}_{rows}", (blocks_of(inter, GATE_UP_UNITS), listed), (BLOCK,),
                (x, idx, experts, count, *gate_up, h, i32(t), i32(k), i32(inter), i32(d), f32(limit)))
-        launch("moe", f"moe_down_{kind}_{rows}", (blocks_of(d, outs), listed), (BLOCK,),
+        launch("moe", f"moe_down_{kind}_{rows}", (blocks_of(d, BF16_OUTS), listed), (BLOCK,),
                (h, idx, experts, count, *down, y, i32(t), i32(k), i32(inter), i32(d)))
     else:  # float32 weights: a block row per expert, idle where none is routed
         launch("moe", "moe_gate_up_f32", (blocks_of(inter, WARPS_PER_BLOCK), e), (BLOCK,),

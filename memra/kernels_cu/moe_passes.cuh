@@ -83,11 +83,11 @@ static __device__ void store_swiglu(const Tile& tile, int nr, const int* pairs, 
     }
 }
 
-// A down tile's nr pairs: y[pair, c0 + m] = tile row m < OUTS.
-template <int OUTS, typename Tile>
+// A down tile's nr pairs: y[pair, c0 + m] = tile row m < BF16_OUTS.
+template <typename Tile>
 static __device__ void store_down(const Tile& tile, int nr, const int* pairs, float* y, int c0, int D) {
-    for (int j = threadIdx.x; j < OUTS * nr; j += MMA_THREADS) {
-        const int m = j % OUTS, n = j / OUTS;
+    for (int j = threadIdx.x; j < BF16_OUTS * nr; j += MMA_THREADS) {
+        const int m = j % BF16_OUTS, n = j / BF16_OUTS;
         if (c0 + m < D) y[(long long)pairs[n] * D + c0 + m] = tile[m][n];
     }
 }
@@ -143,7 +143,7 @@ static __device__ void down_bf16(const float* h, const long long* idx, const int
         mma_tile<J, NT, NT == 1>(wrow, xrow, I, w_aligned, x_aligned, sh);
     };
     expert_passes<J, NT>(idx, t * k, e, h, 1, I, mma, [&](int nr, const int* pairs, const auto& tile) {
-        store_down<BF16_OUTS>(tile, nr, pairs, y, c0, D);
+        store_down(tile, nr, pairs, y, c0, D);
     });
 }
 
@@ -194,6 +194,6 @@ static __device__ void down_fp8(const float* h, const long long* idx, const int*
         mma_tile_fp8<J, NT>(wrow, srow, xrow, I, w_aligned, x_aligned, sh);
     };
     expert_passes<J, NT>(idx, t * k, e, h, 1, I, mma, [&](int nr, const int* pairs, const auto& tile) {
-        store_down<BF16_OUTS>(tile, nr, pairs, y, c0, D);
+        store_down(tile, nr, pairs, y, c0, D);
     });
 }

@@ -346,7 +346,7 @@ class NumpyBackend(NumpyHyperOps, NumpyKdaOps, NumpyDraftOps, NumpyFilterOps):
 
 class EagerWalks:
     """Runs every walk as it comes: `run(key, walk, tokens, pos0, *arrays)` =
-    walk(tokens, position, *arrays)."""
+    walk(tokens, position, *arrays), `steps(key, fn)` = fn()."""
 
     enabled = False  # nothing to capture (the CUDA runner's switch, for callers that flip it)
 
@@ -355,3 +355,6 @@ class EagerWalks:
 
     def run(self, key, walk, tokens: np.ndarray, pos0: int, *arrays):
         return walk(tokens, self.be.position(pos0), *arrays)
+
+    def steps(self, key, fn) -> None:
+        fn()

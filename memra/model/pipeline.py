@@ -91,6 +91,9 @@ class StagedGlm5Model(Glm5Model):
     def _new_walks(self):
         return StageWalks(self.be.walks() for _ in range(self.placement.count))
 
+    def _walks_of(self, cache, index: int):
+        return cache.walks.stages[self.placement.stage_of(index)]
+
     def _new_planes(self, cache, layers) -> None:
         self._by_stage(layers, lambda part: super(StagedGlm5Model, self)._new_planes(cache, part))
 

@@ -11,6 +11,8 @@ Every method checks its input before it touches the cache, so a refused call lea
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from memra.arguments import check_tap_layers
@@ -78,6 +80,10 @@ class Glm5Model:
 
     def _new_walks(self):
         return self.be.walks()
+
+    def _walks_of(self, cache: Cache, index: int):
+        """The walk runner of the cache that serves layer `index`."""
+        return cache.walks
 
     def _new_planes(self, cache: Cache, layers) -> None:
         kda = [layer for layer in layers if layer.kind == KDA]
@@ -222,9 +228,10 @@ class Glm5Model:
 
     def _rollback_layers(self, layers, cache: Cache, ckpt: VerifyCkpt, keep: int) -> None:
         """`layers`' planes back to `keep` rows into the walk (0: where it found them, a rewind)."""
-        if keep < ckpt.rows:
-            for part, _ in self._kda_parts(cache, layers):
-                part.restore(keep, self.be)
+        if keep < ckpt.rows:  # each part's restore to `keep` replays a captured graph on CUDA
+            for part, first in self._kda_parts(cache, layers):
+                restore = functools.partial(part.restore, keep, self.be)
+                self._walks_of(cache, first.index).steps(("restore", part.layers[0], keep), restore)
         for layer in layers:
             if layer.kind != KDA:
                 plane = cache.mla[layer.index]

@@ -4,11 +4,12 @@
   identical logits at every step, across pool boundaries and the dense -> sparse kpool threshold,
   on two caches decoding in turn.
 * Verify walks of t = 1..15 rows (with the KDA snapshots and a tap) replay bit-identically, and a
-  rollback from a replayed walk leaves every state plane as the eager one does.
+  rollback from a replayed walk leaves every state plane as the eager one does. A rollback's
+  restore replays a graph per keep once that keep is seen twice, with the eager one's bits.
 * The walks really replay: a captured graph per shape once a shape is seen twice; a prefill
   never is captured.
-* Red arm: a replay that keeps the captured position instead of uploading the new one breaks
-  the identity, so the comparison can fail.
+* Red arms: a replay that keeps the captured position instead of uploading the new one breaks
+  the identity, so the comparison can fail; so does replaying one keep's restore for another.
 """
 
 import numpy as np
@@ -111,6 +112,41 @@ def test_replayed_verify_walks_and_their_rollbacks_are_the_eager_ones(model, t):
             assert (t, True, tap) in cache.walks.graphs
     for eager, graphed in zip(runs[False], runs[True]):
         assert _same(eager, graphed)
+
+
+RESTORE_KEEPS = (2, 2, 2, 2, 4, 4, 4)  # per keep: eager, capture, replays
+
+
+def _rolled_back(model, walks, keeps=RESTORE_KEEPS, t=5):
+    """Verify walks of t rows, each rolled back to its keep -> every state plane after each."""
+    cache = _cache(model, True, walks=walks)
+    model.prime(_prompt(model, 10, 7), cache)
+    rng, states = np.random.default_rng(7), []
+    for keep in keeps:
+        _, _, ckpt = model.verify_rows(rng.integers(0, model.cfg.vocab_size, t), cache)
+        model.rollback(cache, ckpt, keep)
+        states.append(live_state(model, cache))
+    return states, cache
+
+
+def test_replayed_rollbacks_are_the_eager_ones(model):
+    eager, _ = _rolled_back(model, WalkGraphs(enabled=False))
+    graphed, cache = _rolled_back(model, WalkGraphs())
+    first = cache.kda_parts[0].layers[0]
+    assert set(cache.walks.fixed) == {("restore", first, 2), ("restore", first, 4)}
+    for e, g in zip(eager, graphed):
+        assert _same(e, g)
+
+
+def test_red_arm_replaying_one_keeps_restore_for_another_breaks_the_identity(model):
+    class OneRestore(WalkGraphs):
+        def steps(self, key, fn):
+            super().steps(key[:2], fn)  # the keep left out of the key
+
+    eager, _ = _rolled_back(model, WalkGraphs(enabled=False))
+    wrong, _ = _rolled_back(model, OneRestore())
+    assert _same(tuple(eager[:4]), tuple(wrong[:4]))  # keep 2 throughout: eager, capture, replays
+    assert not _same(eager[4], wrong[4])  # keep 4 replays keep 2's restore
 
 
 def test_red_arm_a_replay_at_a_stale_position_breaks_the_identity(model):

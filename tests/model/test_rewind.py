@@ -77,3 +77,26 @@ def test_rewind_refuses_a_checkpoint_the_cache_moved_past(model, bad):
     with pytest.raises(InputError, match="rewind|rollback"):
         call(target, use)
     assert state_diff(full_state(model, target), before) == []
+
+
+def test_each_parts_restore_goes_through_the_caches_runner_keyed_by_part_and_keep(model):
+    """What the CUDA runner captures per key: every KDA part's restore, keyed (part, keep), a
+    rewind as keep 0; none for a rollback that keeps every row (nothing to restore)."""
+    class Recorded(type(model.be.walks())):
+        def __init__(self, be):
+            super().__init__(be)
+            self.keys = []
+
+        def steps(self, key, fn):
+            self.keys.append(key)
+            super().steps(key, fn)
+
+    cache, _ = primed(model, prompt_ids(model))
+    cache.walks = Recorded(model.be)
+    firsts = [part.layers[0] for part in cache.kda_parts]
+    assert firsts, "the fixture has KDA layers"
+    for keep in (3, T):
+        _, _, ckpt = model.verify_rows(_rows(model), cache)
+        model.rollback(cache, ckpt, keep)
+        model.rewind(cache, ckpt)
+    assert cache.walks.keys == [("restore", f, k) for k in (3, 0, 0) for f in firsts]

@@ -70,11 +70,8 @@
 #ifndef KDA_CHUNK_MAX_DK
 #define KDA_CHUNK_MAX_DK 128
 #endif
-#ifndef ATT_POS
-#define ATT_POS 16
-#endif
-#ifndef ATT_HEADS
-#define ATT_HEADS 16
+#ifndef SCORE_KT
+#define SCORE_KT 64
 #endif
 #ifndef MIX_CHANNELS
 #define MIX_CHANNELS 128

@@ -121,7 +121,7 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
 }
 
 // Absorbed MLA attention in four launches; a block serves many heads of its row, so a latent
-// row is read once per block of positions and ATT_HEADS heads (scores) or of channels (mix, all
+// row is read once per block of positions and heads (scores) or of channels (mix, all
 // heads), never per head:
 //   mla_scores:      s[r, h, j] = scale * (q[r, h] . c_{pos[r, j]}), the dot over R in order;
 //   mla_softmax:     p[r, h, :] = softmax over the row's valid entries (fixed-tree max and sum);
@@ -132,103 +132,133 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
 // would be +0 (every p there is 0), and adding +0 changes no sum, as none is -0 (each starts
 // at +0 and x + y rounds to -0 only when both are -0), so the combine leaves it out.
 // Each value's order depends on R, W and the row's own list only, never on t, the tile or the grid.
-// In-channels staged per mla_scores step; each step waits on its loads once, so one position a
-// thread takes 128 (R = 512 in 4 waits). 256 needs so many registers that one block fits an SM,
-// which loses on full lists; two positions a thread keep 64 for the same reason.
-template <int PT>
-__host__ __device__ constexpr int score_kt() { return PT == 1 ? 128 : 64; }
 static_assert(MEMRA_BLOCK == 256, "mla_scores and mla_mix tile 256 threads");
-static_assert(ATT_HEADS * ATT_POS == MEMRA_BLOCK, "mla_scores: a thread per (head, position column)");
 static_assert(MIX_CHANNELS == 128 && MIX_SPLIT % MIX_STEP == 0, "mla_mix: 4 channels per lane");
 
-// One mla_scores step's loads: q of heads h0.. and the tile's latent rows, channels k0..k0+KT.
-template <int PT, int KT = score_kt<PT>()>
-struct ScoreLoads {
-    float q[ATT_HEADS * KT / MEMRA_BLOCK];
-    float c[ATT_POS * PT * KT / MEMRA_BLOCK];
-
-    __device__ void load(const float* qr, const float* latent, const int* ps, int H, int R, int h0,
-                         int k0) {
-#pragma unroll
-        for (int i = 0; i < ATT_HEADS * KT / MEMRA_BLOCK; ++i) {
-            const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / KT, k = k0 + e % KT;
-            q[i] = h < H && k < R ? qr[(long long)h * R + k] : 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < ATT_POS * PT * KT / MEMRA_BLOCK; ++i) {
-            const int e = threadIdx.x + i * MEMRA_BLOCK, pos = ps[e / KT], k = k0 + e % KT;
-            c[i] = pos >= 0 && k < R ? latent[(long long)pos * R + k] : 0.0f;
-        }
-    }
-};
-
-// grid (ceil(W / (ATT_POS * PT)), t, ceil(H / ATT_HEADS)), block MEMRA_BLOCK. Thread
-// (h = tid / ATT_POS, pl = tid % ATT_POS) holds head h0 + h of the block's heads and positions
-// pl + ATT_POS i (i < PT) of the tile. PT and the head split only tile: every score is the same
-// serial dot, so they may follow t. A block takes ATT_HEADS of the row's heads (a quarter of
-// 64), so the blocks of the selected positions spread over the SMs instead of each running every
-// head in turn; a tile with no selected position (all -1) returns at once.
-template <int PT>
-__device__ void mla_scores_tile(const float* q, const float* latent, const int* positions,
+// mla_scores on register tiles. grid (ceil(W / (16 TP)), t, ceil(H / (16 TH))), block
+// MEMRA_BLOCK: thread (hy = tid / 16, px = tid % 16) holds heads h0 + hy + 16 a (a < TH) and
+// positions j0 + px + 16 b (b < TP) of the block's tile, TH x TP serial dots over R in order (the
+// tile only says which thread runs a dot: same bits at every TH, TP). Each step stages
+// SCORE_KT channels of the tile's q rows and latent rows in shared memory in their own layout
+// (rows padded by 4 floats: the 8 threads of a 16-byte load phase read 8 consecutive rows, 8
+// distinct bank quads) and a thread reads 4 channels of a row at once, so a step costs TH + TP
+// shared loads for 4 TH TP products where a thread per score took 8.
+template <int TH, int TP>
+__device__ void mla_scores_regs(const float* q, const float* latent, const int* positions,
                                 float* scores, int H, int R, int W, float scale) {
-    constexpr int SP = ATT_POS * PT, KT = score_kt<PT>();
-    __shared__ float qs[KT][ATT_HEADS + 1];  // +1: the transposing stores spread
-    __shared__ float cs[KT][SP + 1];
-    __shared__ int ps[SP];
-    const int r = blockIdx.y, j0 = blockIdx.x * SP, h0 = blockIdx.z * ATT_HEADS;
-    const int h = threadIdx.x / ATT_POS, pl = threadIdx.x % ATT_POS;
+    constexpr int HB = 16 * TH, PB = 16 * TP, KT = SCORE_KT, LD = KT + 4;
+    constexpr int QL = HB * KT / MEMRA_BLOCK, CL = PB * KT / MEMRA_BLOCK;
+    static_assert(KT % 4 == 0 && QL * MEMRA_BLOCK == HB * KT, "16 x 16 threads, 16-byte reads");
+    __shared__ __align__(16) float qs[HB][LD];
+    __shared__ __align__(16) float cs[PB][LD];
+    __shared__ int ps[PB];
+    const int r = blockIdx.y, j0 = blockIdx.x * PB, h0 = blockIdx.z * HB;
+    const int hy = threadIdx.x / 16, px = threadIdx.x % 16;
     const int* pos = positions + (long long)r * W;
     const float* qr = q + (long long)r * H * R;
     bool any = false;
-    if (threadIdx.x < SP) {
+    if (threadIdx.x < PB) {
         ps[threadIdx.x] = j0 + (int)threadIdx.x < W ? pos[j0 + threadIdx.x] : -1;
         any = ps[threadIdx.x] >= 0;
     }
     if (!__syncthreads_or(any)) return;  // uniform: the whole block sees the same answer
-    ScoreLoads<PT> next;
-    float acc[PT];
+    float nq[QL], nc[CL];  // the next step's loads, in flight while the current step runs
+    auto load = [&](int k0) {
 #pragma unroll
-    for (int i = 0; i < PT; ++i) acc[i] = 0.0f;
-    next.load(qr, latent, ps, H, R, h0, 0);
+        for (int i = 0; i < QL; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK, h = h0 + e / KT, k = k0 + e % KT;
+            nq[i] = h < H && k < R ? qr[(long long)h * R + k] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < CL; ++i) {
+            const int e = threadIdx.x + i * MEMRA_BLOCK, p = ps[e / KT], k = k0 + e % KT;
+            nc[i] = p >= 0 && k < R ? latent[(long long)p * R + k] : 0.0f;
+        }
+    };
+    float acc[TH][TP];
+#pragma unroll
+    for (int a = 0; a < TH; ++a)
+#pragma unroll
+        for (int b = 0; b < TP; ++b) acc[a][b] = 0.0f;
+    auto madd = [&](const float (&qv)[TH], const float (&cv)[TP]) {
+#pragma unroll
+        for (int a = 0; a < TH; ++a)
+#pragma unroll
+            for (int b = 0; b < TP; ++b) acc[a][b] = acc[a][b] + qv[a] * cv[b];
+    };
+    load(0);
     for (int k0 = 0; k0 < R; k0 += KT) {
         __syncthreads();  // the previous step is done with the tiles
 #pragma unroll
-        for (int i = 0; i < ATT_HEADS * KT / MEMRA_BLOCK; ++i) {
+        for (int i = 0; i < QL; ++i) {
             const int e = threadIdx.x + i * MEMRA_BLOCK;
-            qs[e % KT][e / KT] = next.q[i];
+            qs[e / KT][e % KT] = nq[i];
         }
 #pragma unroll
-        for (int i = 0; i < SP * KT / MEMRA_BLOCK; ++i) {
+        for (int i = 0; i < CL; ++i) {
             const int e = threadIdx.x + i * MEMRA_BLOCK;
-            cs[e % KT][e / KT] = next.c[i];
+            cs[e / KT][e % KT] = nc[i];
         }
         __syncthreads();
-        if (k0 + KT < R) next.load(qr, latent, ps, H, R, h0, k0 + KT);  // in flight meanwhile
-        const int kn = min(KT, R - k0);
-        for (int k = 0; k < kn; ++k) {
-            const float qv = qs[k][h];
+        if (k0 + KT < R) load(k0 + KT);
+        const int kn = min(KT, R - k0), k4 = kn & ~3;
+        for (int k = 0; k < k4; k += 4) {
+            float4 q4[TH], c4[TP];
 #pragma unroll
-            for (int i = 0; i < PT; ++i) acc[i] = acc[i] + qv * cs[k][pl + ATT_POS * i];
+            for (int a = 0; a < TH; ++a) q4[a] = *reinterpret_cast<const float4*>(&qs[hy + 16 * a][k]);
+#pragma unroll
+            for (int b = 0; b < TP; ++b) c4[b] = *reinterpret_cast<const float4*>(&cs[px + 16 * b][k]);
+            float qv[TH], cv[TP];  // channel k, k + 1, k + 2, k + 3 in turn
+#pragma unroll
+            for (int a = 0; a < TH; ++a) qv[a] = q4[a].x;
+#pragma unroll
+            for (int b = 0; b < TP; ++b) cv[b] = c4[b].x;
+            madd(qv, cv);
+#pragma unroll
+            for (int a = 0; a < TH; ++a) qv[a] = q4[a].y;
+#pragma unroll
+            for (int b = 0; b < TP; ++b) cv[b] = c4[b].y;
+            madd(qv, cv);
+#pragma unroll
+            for (int a = 0; a < TH; ++a) qv[a] = q4[a].z;
+#pragma unroll
+            for (int b = 0; b < TP; ++b) cv[b] = c4[b].z;
+            madd(qv, cv);
+#pragma unroll
+            for (int a = 0; a < TH; ++a) qv[a] = q4[a].w;
+#pragma unroll
+            for (int b = 0; b < TP; ++b) cv[b] = c4[b].w;
+            madd(qv, cv);
+        }
+        for (int k = k4; k < kn; ++k) {  // R not a multiple of 4: the last channels one at a time
+            float qv[TH], cv[TP];
+#pragma unroll
+            for (int a = 0; a < TH; ++a) qv[a] = qs[hy + 16 * a][k];
+#pragma unroll
+            for (int b = 0; b < TP; ++b) cv[b] = cs[px + 16 * b][k];
+            madd(qv, cv);
         }
     }
 #pragma unroll
-    for (int i = 0; i < PT; ++i) {
-        const int jj = pl + ATT_POS * i;
-        if (h0 + h < H && ps[jj] >= 0) scores[((long long)r * H + h0 + h) * W + j0 + jj] = acc[i] * scale;
+    for (int a = 0; a < TH; ++a)
+#pragma unroll
+        for (int b = 0; b < TP; ++b) {
+            const int h = h0 + hy + 16 * a, jj = px + 16 * b;
+            if (h < H && ps[jj] >= 0) scores[((long long)r * H + h) * W + j0 + jj] = acc[a][b] * scale;
+        }
+}
+
+// Two blocks an SM (at most 128 registers): measured faster than one for the tiles of 8 products.
+#define MLA_SCORES(TH, TP)                                                                         \
+    extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 2) mla_scores_h##TH##p##TP(const float* q, const float* latent,       \
+                                                       const int* positions, float* scores, int H, \
+                                                       int R, int W, float scale) {                \
+        after_predecessor();                                                                       \
+        mla_scores_regs<TH, TP>(q, latent, positions, scores, H, R, W, scale);                     \
     }
-}
-
-extern "C" __global__ void mla_scores_p1(const float* q, const float* latent, const int* positions,
-                                         float* scores, int H, int R, int W, float scale) {
-    after_predecessor();
-    mla_scores_tile<1>(q, latent, positions, scores, H, R, W, scale);
-}
-
-extern "C" __global__ void mla_scores_p2(const float* q, const float* latent, const int* positions,
-                                         float* scores, int H, int R, int W, float scale) {
-    after_predecessor();
-    mla_scores_tile<2>(q, latent, positions, scores, H, R, W, scale);
-}
+MLA_SCORES(1, 1)  // one dot a thread: the tiles' bits are checked against it (test_cuda_mla.py)
+MLA_SCORES(2, 2)
+MLA_SCORES(4, 2)
 
 // grid (t * H), block MEMRA_BLOCK: scores -> probabilities in place; invalid entries get 0.
 extern "C" __global__ void mla_softmax(float* scores, const int* positions, int H, int W) {
@@ -250,7 +280,7 @@ extern "C" __global__ void mla_softmax(float* scores, const int* positions, int 
     for (int j = threadIdx.x; j < W; j += MEMRA_BLOCK) s[j] = s[j] / sum;
 }
 
-#define MIX_HEADS 64  // heads per mla_mix pass: 8 warps of 8 heads (mla_scores splits its own by ATT_HEADS)
+#define MIX_HEADS 64  // heads per mla_mix pass: 8 warps of 8 heads
 static_assert(MIX_HEADS == 8 * (MEMRA_BLOCK / 32), "mla_mix: a warp holds 8 heads of the pass");
 
 // One mla_mix step's loads: the probabilities of heads h0.. and the latent channels kb.. of

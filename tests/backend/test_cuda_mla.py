@@ -8,7 +8,8 @@ their own test (the lower pool wins). Red arms: every row selecting as if it sat
 last position (no causal step) fails the row gate, and a one-ulp change of one row is caught.
 Attention also runs on drawn lists (`_mla_lists`) past the kernels' tile edges: heads past one
 pass of 64, channels past one mix tile of 128, widths off every tile, -1 padding, rows with
-their own lists; the bench shape at t = 1, 8, 15; a mix split that follows t is caught.
+their own lists; the bench shape at t = 1, 8, 15; a mix split that follows t is caught. Every
+register tile of mla_scores writes the same bytes (red arm: a tile adding two channels swapped).
 The rest pins the positions read from a device buffer (what a captured walk replays).
 Run on the GPU host: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/backend/test_cuda_mla.py
 """
@@ -23,7 +24,9 @@ from tests.gpu import cupy_or_skip
 pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
-from memra.backend.cuda.mla import MlaOps  # noqa: E402
+from memra.backend.cuda import runtime  # noqa: E402
+from memra.backend.cuda.mla import MlaOps, score_tile  # noqa: E402
+from memra.backend.cuda.runtime import BLOCK, blocks_of  # noqa: E402
 from memra.kernels_cu.constants import MIX_SPLIT, MIX_STEP  # noqa: E402
 from memra.backend.cuda.runtime import position  # noqa: E402
 from memra.backend.numpy_ref import NumpyBackend  # noqa: E402
@@ -205,6 +208,64 @@ def test_more_padding_past_a_short_list_changes_no_bit(t):
     cut = cp.asnumpy(ops.mla_attend(q, latent, cp.asarray(pos[:, :max(n)]), scale))
     assert cut.tobytes() == short.tobytes()
     np.testing.assert_allclose(padded, REF.mla_attend(q.get(), latent.get(), pos, scale), *TOL["mla_attend"])
+
+
+# ---- mla_scores' register tiles ---------------------------------------------------------------
+
+SCORE_KERNELS = ((1, 1), (2, 2), (4, 2))  # mla.cu's MLA_SCORES
+
+
+def _scores_of(mod, tile, q, latent, pos, scale):
+    """mla_scores_h<TH>p<TP> of `mod` on these inputs; entries it does not write stay NaN."""
+    (t, h, rank), width = q.shape, pos.shape[1]
+    th, tp = tile
+    out = cp.full((t * h, width), np.nan, cp.float32)
+    mod.get_function(f"mla_scores_h{th}p{tp}")(
+        (blocks_of(width, 16 * tp), t, blocks_of(h, 16 * th)), (BLOCK,),
+        (q, latent, pos, out, np.int32(h), np.int32(rank), np.int32(width), F32(scale)))
+    return cp.asnumpy(out)
+
+
+def _mla_module(src: str):
+    return cp.RawModule(code=src, options=runtime.OPTIONS + ("-I" + str(runtime.kernel_dir()),))
+
+
+def _score_inputs(h, rank, width, plane, t=3):
+    rows, shared = _mla_lists(h, rank, width, plane)[0](np.random.default_rng([h, rank, width]), t)
+    return (cp.asarray(rows["q_lat"]), cp.asarray(shared["latent"]), cp.asarray(rows["positions"]),
+            rank ** -0.5)
+
+
+SCORE_SHAPES = [(70, 200, 150, 300), (3, 67, 37, 80), (64, 512, 2048 + 15, 4096)]
+
+
+@pytest.mark.parametrize("h, rank, width, plane", SCORE_SHAPES)
+def test_every_score_tile_writes_the_same_bits(h, rank, width, plane):
+    """The tile only says which thread runs a dot: every (TH, TP) writes the bytes of (1, 1), at
+    partial head, position and channel tiles (R = 67 and 200 leave a channel tail), and writes
+    no entry whose position is -1. The wrapper's choice by shape is therefore free."""
+    args = _score_inputs(h, rank, width, plane)
+    mod = runtime.module("mla")
+    base = _scores_of(mod, (1, 1), *args)
+    valid = np.repeat(cp.asnumpy(args[2]) >= 0, h, axis=0)
+    assert np.isfinite(base[valid]).all() and np.isnan(base[~valid]).all()
+    for tile in SCORE_KERNELS[1:]:
+        assert _scores_of(mod, tile, *args).tobytes() == base.tobytes(), tile
+    assert score_tile(1, width, h) in SCORE_KERNELS and score_tile(15, width, h) in SCORE_KERNELS
+
+
+def test_red_arm_a_score_tile_adding_two_channels_swapped_is_caught():
+    """The mutation: one tile adds channels k and k + 1 of every 4 in swapped order (a different
+    serial dot); the same comparison tells its bytes from (1, 1)'s."""
+    src = runtime.kernel_dir().joinpath("mla.cu").read_text()
+    swapped = src.replace("q4[a].x", "@Q@").replace("q4[a].y", "q4[a].x").replace("@Q@", "q4[a].y")
+    swapped = swapped.replace("c4[b].x", "@C@").replace("c4[b].y", "c4[b].x").replace("@C@", "c4[b].y")
+    assert swapped != src
+    args = _score_inputs(*SCORE_SHAPES[0])
+    base = _scores_of(runtime.module("mla"), (1, 1), *args)
+    mutated = _mla_module(swapped)
+    assert _scores_of(mutated, (1, 1), *args).tobytes() != base.tobytes()
+    assert _scores_of(mutated, (2, 2), *args).tobytes() != base.tobytes()
 
 
 # ---- the position read from the device (what a captured walk replays) -------------------------

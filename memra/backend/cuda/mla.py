@@ -14,11 +14,23 @@ import cupy as cp
 
 from memra.backend.cuda.prime import is_prime, prime_attend, prime_pool_scores
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, position
-from memra.kernels_cu.constants import ATT_HEADS, ATT_POS, MIX_CHANNELS, MIX_SPLIT, MIX_STEP
+from memra.kernels_cu.constants import MIX_CHANNELS, MIX_SPLIT, MIX_STEP
 
-# From this many rows mla_scores tiles two positions per thread (half the q re-reads); fewer rows
-# take one, for blocks enough to fill the GPU. The tile changes no score (each is one serial dot).
-SCORES_P2_ROWS = 4
+# mla_scores' register tiles (heads, positions a thread), largest first: a walk takes the first
+# whose grid has SCORE_BLOCKS blocks, else the last. Measured at H 64, R 512 (graph-timed, every
+# tile from 1 x 1 to 4 x 4): (4, 2) is fastest from 8 rows, (2, 2) at one row of a full list,
+# where (4, 2) would leave 129 blocks for 132 SMs. The tile changes no score (each is one
+# serial dot over R, whichever thread runs it), so it may follow t.
+SCORE_TILES = ((4, 2), (2, 2))
+SCORE_BLOCKS = 256
+
+
+def score_tile(t: int, width: int, heads: int) -> tuple[int, int]:
+    """(TH, TP) of mla_scores_h<TH>p<TP> for t rows of `width` entries and `heads` heads."""
+    for th, tp in SCORE_TILES:
+        if t * blocks_of(width, 16 * tp) * blocks_of(heads, 16 * th) >= SCORE_BLOCKS:
+            return th, tp
+    return SCORE_TILES[-1]
 
 
 class MlaOps:
@@ -98,9 +110,8 @@ class MlaOps:
             return prime_attend(q_lat, latent, positions, scale)
         out = cp.empty((t, h, rank), cp.float32)
         probs = cp.empty((t * h, width), cp.float32)
-        per_thread = 2 if t >= SCORES_P2_ROWS else 1
-        launch("mla", f"mla_scores_p{per_thread}",
-               (blocks_of(width, ATT_POS * per_thread), t, blocks_of(h, ATT_HEADS)), (BLOCK,),
+        th, tp = score_tile(t, width, h)
+        launch("mla", f"mla_scores_h{th}p{tp}", (blocks_of(width, 16 * tp), t, blocks_of(h, 16 * th)), (BLOCK,),
                (q_lat, latent, positions, probs, i32(h), i32(rank), i32(width), f32(scale)))
         launch("mla", "mla_softmax", (t * h,), (BLOCK,), (probs, positions, i32(h), i32(width)))
         split = self._mix_split

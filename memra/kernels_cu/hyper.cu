@@ -117,15 +117,38 @@ HC_PARTIALS(1)
 HC_PARTIALS(4)
 static_assert(HC_ROWS == 4, "the host launches hc_partials_r1 or hc_partials_r<HC_ROWS>");
 
-// Element e (< nD, flattened [n, D]) of row r's combined streams, hc_combine's arithmetic:
-// post_b f_k + sum_a C[a, b] X_a,k with a ascending (b = e / D, k = e % D).
-static __device__ __forceinline__ float combined(const float* x, const float* f, const float* post,
-                                                 const float* comb, int n, int d, int e) {
-    const int b = e / d, k = e % d;
-    const float* c = comb + b;
-    float acc = c[0] * x[k];
-    for (int a = 1; a < n; ++a) acc = acc + c[a * n] * x[(long long)a * d + k];
-    return post[b] * f[k] + acc;
+// Elements e0 .. e0 + 7 (< nD, flattened [n, D]) of a row's combined streams, hc_combine's
+// arithmetic: post_b f_k + sum_a C[a, b] X_a,k with a ascending (b = e / D, k = e % D); zeros
+// past nD. vec: D % 8 == 0 and 16-byte aligned rows, so the 8 share a stream and load as float4s.
+static __device__ __forceinline__ void combined8(const float* x, const float* f, const float* post,
+                                                 const float* comb, int n, int d, int e0, bool vec,
+                                                 float (&v)[8]) {
+    if (vec && e0 + 8 <= n * d) {
+        const int b = e0 / d, k = e0 % d;
+        float xs[HC_MAX_N][8], fk[8];  // every load issued before the first product
+#pragma unroll
+        for (int a = 0; a < HC_MAX_N; ++a)
+            if (a < n) load8(x + (long long)a * d, k, d, true, xs[a]);
+        load8(f, k, d, true, fk);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            float acc = comb[b] * xs[0][e];
+#pragma unroll
+            for (int a = 1; a < HC_MAX_N; ++a)
+                if (a < n) acc = acc + comb[a * n + b] * xs[a][e];
+            v[e] = post[b] * fk[e] + acc;
+        }
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        v[e] = 0.0f;
+        if (e0 + e >= n * d) continue;
+        const int b = (e0 + e) / d, k = (e0 + e) % d;
+        float acc = comb[b] * x[k];
+        for (int a = 1; a < n; ++a) acc = acc + comb[a * n + b] * x[(long long)a * d + k];
+        v[e] = post[b] * f[k] + acc;
+    }
 }
 
 // One site's hc_combine and the next site's hc_partials (its fn, fn_next) in one launch: the
@@ -140,18 +163,20 @@ static __device__ void combine_partials_rows(const float* __restrict__ streams, 
                                              float* __restrict__ part, int t, int n, int d) {
     const int r0 = blockIdx.y * ROWS, rows = min(ROWS, t - r0), nd = n * d;
     const int k0 = blockIdx.x * HC_CHUNK + threadIdx.x * 8;
-    const bool vec = nd % 8 == 0 && reinterpret_cast<unsigned long long>(fn_next) % 16 == 0 &&
-                     reinterpret_cast<unsigned long long>(out) % 16 == 0;
+    const auto aligned = [](const float* p) { return reinterpret_cast<unsigned long long>(p) % 16 == 0; };
+    const bool vec = nd % 8 == 0 && aligned(fn_next) && aligned(out);
+    const bool vec_rows = d % 8 == 0 && aligned(streams) && aligned(f);
     float xv[ROWS][8];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const long long row = r0 + r;
+        if (r >= rows) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e)
-            xv[r][e] = r < rows && k0 + e < nd
-                           ? combined(streams + row * nd, f + row * d, post + row * n, comb + row * n * n, n, d, k0 + e)
-                           : 0.0f;
-        if (blockIdx.z == 0 && r < rows) {
+            for (int e = 0; e < 8; ++e) xv[r][e] = 0.0f;
+            continue;
+        }
+        combined8(streams + row * nd, f + row * d, post + row * n, comb + row * n * n, n, d, k0, vec_rows, xv[r]);
+        if (blockIdx.z == 0) {
             float* o = out + row * nd;
             if (vec && k0 + 8 <= nd) {
                 *reinterpret_cast<float4*>(o + k0) = make_float4(xv[r][0], xv[r][1], xv[r][2], xv[r][3]);

@@ -18,10 +18,12 @@ from memra.kernels_cu.constants import MIX_CHANNELS, MIX_SPLIT, MIX_STEP
 
 # mla_scores' register tiles (heads, positions a thread), largest first: a walk takes the first
 # whose grid has SCORE_BLOCKS blocks, else the last. Measured at H 64, R 512 (graph-timed, every
-# tile from 1 x 1 to 4 x 4): (4, 2) is fastest from 8 rows, (2, 2) at one row of a full list,
-# where (4, 2) would leave 129 blocks for 132 SMs. The tile changes no score (each is one
-# serial dot over R, whichever thread runs it), so it may follow t.
-SCORE_TILES = ((4, 2), (2, 2))
+# tile from 1 x 1 to 4 x 4, lists of 2063 with 600 or all entries valid): (4, 2) is fastest from
+# 8 rows; one row runs a dot a thread, the fastest on the short list (a decode step at 600
+# positions, 12.2 us) and within 1.5x of the best on the full one (21.8 against 14.9 us for
+# (2, 2), which on the short list takes 15.1). The tile changes no score (each is one serial
+# dot over R, whichever thread runs it), so it may follow t.
+SCORE_TILES = ((4, 2), (1, 1))
 SCORE_BLOCKS = 256
 
 

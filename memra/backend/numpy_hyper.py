@@ -36,15 +36,11 @@ class NumpyHyperOps:
             c = c / (c.sum(axis=1, keepdims=True) + eps)
         return pre, post, c
 
-    def hc_site(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int, block,
-                carry=None, next_fn=None):
-        """One whole site -> (X', carry): X' = post (x) f + C^T X with f = block(sum_i pre_i X_i)
-        ([t, D] rows -> [t, D]). A backend may run the mix C beside `block` (CUDA: a side
-        stream) and may hand the next site (its fn `next_fn`) work it did on X' as `carry`, for
-        that site's call to take back (CUDA: its partials, made in the combine's launch). Here
-        there is none: carry is always None."""
+    def hc_site(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int, block):
+        """One whole site: X' = post (x) f + C^T X with f = block(sum_i pre_i X_i) ([t, D] rows
+        -> [t, D]). A backend may run the mix C beside `block` (CUDA: a side stream)."""
         pre, post, comb = self.hc_weights(streams, fn, base, scale, rms_eps, hc_eps, iters)
-        return self.hc_combine(streams, block(self.hc_collapse(streams, pre)), post, comb), None
+        return self.hc_combine(streams, block(self.hc_collapse(streams, pre)), post, comb)
 
     def hc_collapse(self, streams: np.ndarray, pre: np.ndarray) -> np.ndarray:
         """sum_i pre_i X_i, accumulated in stream order: [t, n, D] -> [t, D]."""

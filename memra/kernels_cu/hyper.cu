@@ -45,18 +45,26 @@ static __device__ __forceinline__ void load8(const float* p, int k0, int n, bool
     for (int e = 0; e < 8; ++e) v[e] = k0 + e < n ? p[k0 + e] : 0.0f;
 }
 
-// The partials of ROWS rows whose chunk elements this thread holds (xv[r]: flattened elements
-// k0 .. k0 + 7 of row r0 + r, zeros past nD). A block loads its slots' fn values once for its
-// rows. Each slot of a row: thread i's 8 products in order, the warp butterfly, the warps in
-// order, whichever rows share the block.
+// grid (ceil(nD / HC_CHUNK), ceil(t / ROWS), ceil(((2+n)n + 1) / HC_SLOTS)), block MEMRA_BLOCK.
+// part [t, chunks, outs + 1]: slot j < outs the dot with fn row j, slot outs the sum of squares.
+// A block loads its slots' fn values once for its ROWS rows (the rows' x loads issue together):
+// hc_partials_r1 for one row, hc_partials_r<HC_ROWS> for more. Each slot of a row: thread i's 8
+// products in order, the warp butterfly, the warps in order, whichever rows share the block.
 template <int ROWS>
-static __device__ void partial_dots(const float (&xv)[ROWS][8], const float* __restrict__ fn,
-                                    float* __restrict__ part, int t, int n, int d, bool vec) {
+static __device__ void partials_rows(const float* __restrict__ streams, const float* __restrict__ fn,
+                                     float* __restrict__ part, int t, int n, int d) {
     __shared__ float red[ROWS][WARPS_PER_BLOCK][HC_SLOTS];
     const int r0 = blockIdx.y * ROWS, rows = min(ROWS, t - r0);
     const int c = blockIdx.x, chunks = gridDim.x, nd = n * d, outs = (2 + n) * n;
     const int j0 = blockIdx.z * HC_SLOTS, j1 = min(j0 + HC_SLOTS, outs + 1);
     const int k0 = c * HC_CHUNK + threadIdx.x * 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // 8 elements a thread: two 16-byte loads where the rows allow (the same values either way)
+    const bool vec = nd % 8 == 0 && reinterpret_cast<unsigned long long>(streams) % 16 == 0 &&
+                     reinterpret_cast<unsigned long long>(fn) % 16 == 0;
+    float xv[ROWS][8];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+        load8(streams + (long long)(r0 + r) * nd, k0, r < rows ? nd : 0, vec, xv[r]);
     float wv[HC_SLOTS][8];  // fn rows; the sum of squares' slot (no fn row) multiplies x by itself
     bool squares[HC_SLOTS];
 #pragma unroll
@@ -88,24 +96,6 @@ static __device__ void partial_dots(const float (&xv)[ROWS][8], const float* __r
     }
 }
 
-// grid (ceil(nD / HC_CHUNK), ceil(t / ROWS), ceil(((2+n)n + 1) / HC_SLOTS)), block MEMRA_BLOCK.
-// part [t, chunks, outs + 1]: slot j < outs the dot with fn row j, slot outs the sum of squares.
-// hc_partials_r1 for one row, hc_partials_r<HC_ROWS> for more (the rows' x loads issue together).
-template <int ROWS>
-static __device__ void partials_rows(const float* __restrict__ streams, const float* __restrict__ fn,
-                                     float* __restrict__ part, int t, int n, int d) {
-    const int r0 = blockIdx.y * ROWS, rows = min(ROWS, t - r0), nd = n * d;
-    const int k0 = blockIdx.x * HC_CHUNK + threadIdx.x * 8;
-    // 8 elements a thread: two 16-byte loads where the rows allow (the same values either way)
-    const bool vec = nd % 8 == 0 && reinterpret_cast<unsigned long long>(streams) % 16 == 0 &&
-                     reinterpret_cast<unsigned long long>(fn) % 16 == 0;
-    float xv[ROWS][8];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-        load8(streams + (long long)(r0 + r) * nd, k0, r < rows ? nd : 0, vec, xv[r]);
-    partial_dots<ROWS>(xv, fn, part, t, n, d, vec);
-}
-
 #define HC_PARTIALS(ROWS)                                                                          \
     extern "C" __global__ void hc_partials_r##ROWS(const float* __restrict__ streams,              \
                                                    const float* __restrict__ fn,                   \
@@ -116,91 +106,6 @@ static __device__ void partials_rows(const float* __restrict__ streams, const fl
 HC_PARTIALS(1)
 HC_PARTIALS(4)
 static_assert(HC_ROWS == 4, "the host launches hc_partials_r1 or hc_partials_r<HC_ROWS>");
-
-// Elements e0 .. e0 + 7 (< nD, flattened [n, D]) of a row's combined streams, hc_combine's
-// arithmetic: post_b f_k + sum_a C[a, b] X_a,k with a ascending (b = e / D, k = e % D); zeros
-// past nD. vec: D % 8 == 0 and 16-byte aligned rows, so the 8 share a stream and load as float4s.
-static __device__ __forceinline__ void combined8(const float* x, const float* f, const float* post,
-                                                 const float* comb, int n, int d, int e0, bool vec,
-                                                 float (&v)[8]) {
-    if (vec && e0 + 8 <= n * d) {
-        const int b = e0 / d, k = e0 % d;
-        float xs[HC_MAX_N][8], fk[8];  // every load issued before the first product
-#pragma unroll
-        for (int a = 0; a < HC_MAX_N; ++a)
-            if (a < n) load8(x + (long long)a * d, k, d, true, xs[a]);
-        load8(f, k, d, true, fk);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            float acc = comb[b] * xs[0][e];
-#pragma unroll
-            for (int a = 1; a < HC_MAX_N; ++a)
-                if (a < n) acc = acc + comb[a * n + b] * xs[a][e];
-            v[e] = post[b] * fk[e] + acc;
-        }
-        return;
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        v[e] = 0.0f;
-        if (e0 + e >= n * d) continue;
-        const int b = (e0 + e) / d, k = (e0 + e) % d;
-        float acc = comb[b] * x[k];
-        for (int a = 1; a < n; ++a) acc = acc + comb[a * n + b] * x[(long long)a * d + k];
-        v[e] = post[b] * f[k] + acc;
-    }
-}
-
-// One site's hc_combine and the next site's hc_partials (its fn, fn_next) in one launch: the
-// combined streams are the next site's input, so the thread that makes its 8 elements of a chunk
-// dots them with fn_next straight from registers (the same bits as hc_combine then
-// hc_partials). Blocks of slot group 0 write the combined streams `out`; grid and part as
-// hc_partials'.
-template <int ROWS>
-static __device__ void combine_partials_rows(const float* __restrict__ streams, const float* __restrict__ f,
-                                             const float* __restrict__ post, const float* __restrict__ comb,
-                                             float* __restrict__ out, const float* __restrict__ fn_next,
-                                             float* __restrict__ part, int t, int n, int d) {
-    const int r0 = blockIdx.y * ROWS, rows = min(ROWS, t - r0), nd = n * d;
-    const int k0 = blockIdx.x * HC_CHUNK + threadIdx.x * 8;
-    const auto aligned = [](const float* p) { return reinterpret_cast<unsigned long long>(p) % 16 == 0; };
-    const bool vec = nd % 8 == 0 && aligned(fn_next) && aligned(out);
-    const bool vec_rows = d % 8 == 0 && aligned(streams) && aligned(f);
-    float xv[ROWS][8];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const long long row = r0 + r;
-        if (r >= rows) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) xv[r][e] = 0.0f;
-            continue;
-        }
-        combined8(streams + row * nd, f + row * d, post + row * n, comb + row * n * n, n, d, k0, vec_rows, xv[r]);
-        if (blockIdx.z == 0) {
-            float* o = out + row * nd;
-            if (vec && k0 + 8 <= nd) {
-                *reinterpret_cast<float4*>(o + k0) = make_float4(xv[r][0], xv[r][1], xv[r][2], xv[r][3]);
-                *reinterpret_cast<float4*>(o + k0 + 4) = make_float4(xv[r][4], xv[r][5], xv[r][6], xv[r][7]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    if (k0 + e < nd) o[k0 + e] = xv[r][e];
-            }
-        }
-    }
-    partial_dots<ROWS>(xv, fn_next, part, t, n, d, vec);
-}
-
-#define HC_COMBINE_PARTIALS(ROWS)                                                                  \
-    extern "C" __global__ void hc_combine_partials_r##ROWS(                                        \
-        const float* __restrict__ streams, const float* __restrict__ f, const float* __restrict__ post, \
-        const float* __restrict__ comb, float* __restrict__ out, const float* __restrict__ fn_next, \
-        float* __restrict__ part, int t, int n, int d) {                                           \
-        after_predecessor();                                                                       \
-        combine_partials_rows<ROWS>(streams, f, post, comb, out, fn_next, part, t, n, d);          \
-    }
-HC_COMBINE_PARTIALS(1)
-HC_COMBINE_PARTIALS(4)
 
 // Slot j of a row's partials p [chunks, outs + 1], its chunks added in order.
 static __device__ __forceinline__ float hc_slot_sum(const float* p, int j, int chunks, int outs) {

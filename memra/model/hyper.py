@@ -19,12 +19,10 @@ class HcSite:
         self.hc_eps = cfg.hc_eps
         self.iters = cfg.hc_sinkhorn_iters
 
-    def __call__(self, streams, block, carry=None, then: "HcSite | None" = None):
-        """Run `block` (rows [t, D] -> [t, D]) through this site -> (new streams, carry): `carry`
-        is what the site before handed this one, `then` the site these streams go to next (the
-        backend may start its work in this site's last launch)."""
+    def __call__(self, streams, block):
+        """Run `block` (rows [t, D] -> [t, D]) through this site; return the new streams."""
         return self.be.hc_site(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps,
-                               self.iters, block, carry, None if then is None else then.fn)
+                               self.iters, block)
 
 
 def expand(x, n: int):

@@ -308,12 +308,10 @@ class Glm5Model:
         """`layers` in order over the streams (with `snapshots`, the KDA layers write their
         rollback snapshots); fills `selections` (indexer layer -> positions) and `tapped`
         (tap layer -> rows)."""
-        carry = None  # what a site hands the next one (hc_site)
-        for i, layer in enumerate(layers):
+        for layer in layers:
             mix = lambda y: self._mix(layer, self._norm(y, layer.in_norm), cache, at, selections, snapshots)
-            then = layers[i + 1].attn_site if i + 1 < len(layers) else None
-            streams, carry = layer.attn_site(streams, mix, carry, layer.ffn_site)
-            streams, carry = layer.ffn_site(streams, lambda y: layer.ffn(self._norm(y, layer.post_norm)), carry, then)
+            streams = layer.attn_site(streams, mix)
+            streams = layer.ffn_site(streams, lambda y: layer.ffn(self._norm(y, layer.post_norm)))
             if layer.index in tap_layers:
                 tapped[layer.index] = self.be.stream_mean(streams)
         return streams

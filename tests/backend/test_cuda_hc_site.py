@@ -5,9 +5,6 @@ block (backend/cuda/hyper.py).
   rows (t = 1, 7, 15, where the partials are hc_partials' chunks) and a prompt's rows (t = 40: the
   prime GEMM's one chunk), n = 3, 4, 8 streams; eagerly and replayed from a graph captured the
   way a walk is (graphs.CapturedWalk: programmatic dependent launch, a private pool).
-* Chained sites: a site given the next site's fn makes that site's partials in its combine's
-  launch and hands them on; both sites are the ops in sequence bit for bit (red arms: a carry
-  of the streams before the combine, or made with the wrong fn, is caught).
 * Red arm: the join is what orders it. With the side stream held busy by a spinning kernel, a
   site whose hc_combine does not wait for the mix reads a stale comb and differs; the same site
   with the join is bit-identical.
@@ -65,58 +62,15 @@ def test_hc_site_is_the_ops_in_sequence_bit_for_bit(be, n, d, iters, t):
     weights, block = site_weights(rng, n, d), block_of(be, d, rng)
     streams = cp.asarray(normal(rng, (t, n, d)))
     want = cp.asnumpy(in_sequence(be, streams, weights, iters, block))
-    got, carry = be.hc_site(streams, *weights, RMS_EPS, HC_EPS, iters, block)
-    assert carry is None
-    assert np.array_equal(cp.asnumpy(got).view(np.uint32), want.view(np.uint32))
-
-
-def bits(a):
-    return cp.asnumpy(a).view(np.uint32)
-
-
-@pytest.mark.parametrize("n,d,iters", [(4, 4096, 20), (3, 67, 3), (8, 33, 4)])
-@pytest.mark.parametrize("t", [1, 7, 15, 40])
-def test_chained_sites_are_the_ops_in_sequence_bit_for_bit(be, n, d, iters, t):
-    """Site a hands site b its partials (a's combine makes them in its own launch, given b's fn):
-    a then b are the ops in sequence bit for bit, and the carry is b's hc_partials of a's
-    output. A prompt (t = 40, partials by GEMM) hands nothing on."""
-    rng = np.random.default_rng(t * 10 + n)
-    wa, wb, block = site_weights(rng, n, d), site_weights(rng, n, d), block_of(be, d, rng)
-    streams = cp.asarray(normal(rng, (t, n, d)))
-    want_a = in_sequence(be, streams, wa, iters, block)
-    want_b = in_sequence(be, want_a, wb, iters, block)
-    got_a, carry = be.hc_site(streams, *wa, RMS_EPS, HC_EPS, iters, block, None, wb[0])
-    assert (carry is None) == (t > 15)
-    if carry is not None:
-        assert np.array_equal(bits(carry), bits(hyper._partials(want_a, wb[0])))
-    got_b, tail = be.hc_site(got_a, *wb, RMS_EPS, HC_EPS, iters, block, carry)
-    assert tail is None
-    assert np.array_equal(bits(got_a), bits(want_a)) and np.array_equal(bits(got_b), bits(want_b))
-
-
-@pytest.mark.parametrize("wrong", ["stale_streams", "this_sites_fn"])
-def test_red_arm_a_carry_not_made_from_the_streams_and_fn_it_serves_is_caught(be, wrong):
-    """The mutations: site b takes partials of a's input streams (made before the combine), or
-    partials made with a's own fn; the comparison of the test above tells b's streams apart."""
-    rng = np.random.default_rng(3)
-    n, d, iters = 4, 4096, 20
-    wa, wb, block = site_weights(rng, n, d), site_weights(rng, n, d), block_of(be, d, rng)
-    streams = cp.asarray(normal(rng, (1, n, d)))
-    want_b = in_sequence(be, in_sequence(be, streams, wa, iters, block), wb, iters, block)
-    if wrong == "stale_streams":
-        got_a, _ = be.hc_site(streams, *wa, RMS_EPS, HC_EPS, iters, block)
-        carry = hyper._partials(streams, wb[0])
-    else:
-        got_a, carry = be.hc_site(streams, *wa, RMS_EPS, HC_EPS, iters, block, None, wa[0])
-    got_b, _ = be.hc_site(got_a, *wb, RMS_EPS, HC_EPS, iters, block, carry)
-    assert not np.array_equal(bits(got_b), bits(want_b))
+    got = cp.asnumpy(be.hc_site(streams, *weights, RMS_EPS, HC_EPS, iters, block))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_a_captured_site_replays_the_ops_in_sequence(be):
     rng = np.random.default_rng(7)
     n, d, iters = 4, 4096, 20
     weights, block = site_weights(rng, n, d), block_of(be, d, rng)
-    walk = lambda tokens, pos, streams: (be.hc_site(streams, *weights, RMS_EPS, HC_EPS, iters, block)[0],)
+    walk = lambda tokens, pos, streams: (be.hc_site(streams, *weights, RMS_EPS, HC_EPS, iters, block),)
     first = cp.asarray(normal(rng, (1, n, d)))
     captured = CapturedWalk(walk, [0], 0, (first,))
     for _ in range(3):
@@ -139,7 +93,7 @@ def test_hc_combine_waits_for_the_side_streams_mix(be, monkeypatch, joined):
         monkeypatch.setattr(hyper, "_join", lambda main, mixed: None)
     with hyper._side_stream(cp.cuda.Device().id):
         SPIN((1,), (1,), (np.int64(20_000_000),))  # ~10 ms: the mix runs long after the combine
-    got = cp.asnumpy(be.hc_site(streams, *weights, RMS_EPS, HC_EPS, iters, block)[0])
+    got = cp.asnumpy(be.hc_site(streams, *weights, RMS_EPS, HC_EPS, iters, block))
     cp.cuda.Device().synchronize()
     same = np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert same == joined

@@ -53,7 +53,7 @@ def _hc_site(n, d, iters):
 
     def call(be, r, s):
         return be.hc_site(r["streams"], s["fn"], s["base"], s["scale"], 1e-5, 1e-6, iters,
-                          lambda x: x * np.float32(0.5) + np.float32(1.0))[0]
+                          lambda x: x * np.float32(0.5) + np.float32(1.0))
     return make, call
 
 

@@ -191,7 +191,7 @@ ROW_CASES = [
           lambda be, r, s, _: be.hc_weights(r["streams"], s["fn"], s["base"], s["scale"], 1e-5, 1e-6, 20)),
     _case("hc_site", _make_hc_weights,  # the block: any per-row function of the collapsed rows
           lambda be, r, s, _: be.hc_site(r["streams"], s["fn"], s["base"], s["scale"], 1e-5, 1e-6, 20,
-                                         lambda x: x * np.float32(0.5) + np.float32(1.0))[0]),
+                                         lambda x: x * np.float32(0.5) + np.float32(1.0))),
     _case("hc_collapse", _make_hc_collapse, lambda be, r, s, _: be.hc_collapse(r["streams"], r["pre"])),
     _case("hc_combine", _make_hc_combine,
           lambda be, r, s, _: be.hc_combine(r["streams"], r["f"], r["post"], r["comb"])),

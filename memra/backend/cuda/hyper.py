@@ -4,7 +4,7 @@ Mixin of CudaBackend mirroring NumpyBackend's hc_weights / hc_collapse / hc_comb
 stream_mean on cupy arrays. Exact class: each output's sums run in a fixed order per row.
 
     pre, post, comb = HyperOps().hc_weights(streams, fn, base, scale, rms_eps, hc_eps, iters)
-    new_streams, carry = HyperOps().hc_site(streams, fn, base, scale, rms_eps, hc_eps, iters, block)
+    new_streams = HyperOps().hc_site(streams, fn, base, scale, rms_eps, hc_eps, iters, block)
 """
 
 from __future__ import annotations
@@ -28,26 +28,23 @@ class HyperOps:
             _mix(_partials(streams, fn), base, scale, pre, post, comb, d, rms_eps, hc_eps, iters)
         return pre, post, comb
 
-    def hc_site(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int, block,
-                carry=None, next_fn=None):
-        """(hc_combine(streams, block(hc_collapse(streams, pre)), post, comb), carry') with (pre,
-        post, comb) = hc_weights(...), the same bits. The Sinkhorn mix (hc_weights' kernel, a
-        chain of 2 iters dependent normalisations in one block: ~10 us) runs on a side stream
-        beside `block`, whose collapse makes pre from the same partials; the combine waits for
-        it. In a captured walk the fork and the join are graph edges. With `next_fn` (the next
-        site's fn) the combine also makes that site's partials of the streams it writes, in the
-        same launch, and returns them as carry' for the next call's `carry` (None otherwise)."""
+    def hc_site(self, streams, fn, base, scale, rms_eps: float, hc_eps: float, iters: int, block):
+        """hc_combine(streams, block(hc_collapse(streams, pre)), post, comb) with (pre, post,
+        comb) = hc_weights(...), the same bits. The Sinkhorn mix (hc_weights' kernel, a chain of
+        2 iters dependent normalisations in one block: ~10 us) runs on a side stream beside
+        `block`, whose collapse makes pre from the same partials; hc_combine waits for it. In a
+        captured walk the fork and the join are graph edges."""
         streams, fn, base, scale, (t, n, d) = _site_inputs(streams, fn, base, scale, iters)
         if not t:
             pre, post, comb = self.hc_weights(streams, fn, base, scale, rms_eps, hc_eps, iters)
-            return self.hc_combine(streams, block(self.hc_collapse(streams, pre)), post, comb), None
-        part = _partials(streams, fn) if carry is None else _carried(carry, t, n, d)
+            return self.hc_combine(streams, block(self.hc_collapse(streams, pre)), post, comb)
+        part = _partials(streams, fn)  # read by the side stream: alive until the join below
         pre, post, comb = _site_weights(t, n)
         main, side = cp.cuda.get_current_stream(), _side_stream(cp.cuda.Device().id)
         forked, mixed = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
         forked.record(main)
         side.wait_event(forked)
-        with side:  # part is read here: alive until the join below
+        with side:
             _mix(part, base, scale, pre, post, comb, d, rms_eps, hc_eps, iters)
         mixed.record(side)
         try:
@@ -58,9 +55,7 @@ class HyperOps:
             f = block(collapsed)
         finally:  # joined even when block raises: a capture must not end with the side stream forked
             _join(main, mixed)
-        if next_fn is None or is_prime(t):  # a prompt's partials are one GEMM (prime.py)
-            return self.hc_combine(streams, f, post, comb), None
-        return _combine_partials(streams, device_input(f, "f"), post, comb, device_input(next_fn, "next_fn"))
+        return self.hc_combine(streams, f, post, comb)
 
     def hc_collapse(self, streams, pre):
         """sum_i pre_i X_i in stream order: [t, n, D] -> [t, D]."""
@@ -116,38 +111,12 @@ def _partials(streams, fn):
     t, n, d = streams.shape
     if is_prime(t):  # a prompt: the matvec as one float32 GEMM, one chunk (prime.py)
         return prime_hc_partials(streams, fn)
-    part = cp.empty(_part_shape(t, n, d), cp.float32)
-    name, grid = _partials_launch("hc_partials", t, n, d)
-    launch("hyper", name, grid, (BLOCK,), (streams, fn, part, i32(t), i32(n), i32(d)))
-    return part
-
-
-def _combine_partials(streams, f, post, comb, next_fn):
-    """hc_combine, and the next site's _partials of what it writes, in one launch -> (out, part)."""
-    t, n, d = streams.shape
-    assert next_fn.shape == ((2 + n) * n, n * d), f"hc_site: next_fn {next_fn.shape}, n={n}, D={d}"
-    out, part = cp.empty((t, n, d), cp.float32), cp.empty(_part_shape(t, n, d), cp.float32)
-    name, grid = _partials_launch("hc_combine_partials", t, n, d)
-    launch("hyper", name, grid, (BLOCK,), (streams, f, post, comb, out, next_fn, part, i32(t), i32(n), i32(d)))
-    return out, part
-
-
-def _carried(part, t: int, n: int, d: int):
-    """The partials a previous site's hc_site handed on, checked against these streams."""
-    assert part.shape == _part_shape(t, n, d) and part.dtype == cp.float32, (
-        f"hc_site: carry {part.shape}, expected {_part_shape(t, n, d)}")
-    return part
-
-
-def _part_shape(t: int, n: int, d: int) -> tuple[int, int, int]:
-    return t, (n * d + HC_CHUNK - 1) // HC_CHUNK, (2 + n) * n + 1
-
-
-def _partials_launch(kernel: str, t: int, n: int, d: int):
-    """(name, grid) of a partials kernel: a block per chunk, rows and group of HC_SLOTS slots."""
-    _, chunks, slots = _part_shape(t, n, d)
+    part = cp.empty((t, (n * d + HC_CHUNK - 1) // HC_CHUNK, (2 + n) * n + 1), cp.float32)
+    slots = ((2 + n) * n + 1 + HC_SLOTS - 1) // HC_SLOTS
     rows = 1 if t == 1 else HC_ROWS  # rows a block: the bits do not depend on it
-    return f"{kernel}_r{rows}", (chunks, (t + rows - 1) // rows, (slots + HC_SLOTS - 1) // HC_SLOTS)
+    launch("hyper", f"hc_partials_r{rows}", (part.shape[1], (t + rows - 1) // rows, slots), (BLOCK,),
+           (streams, fn, part, i32(t), i32(n), i32(d)))
+    return part
 
 
 def _mix(part, base, scale, pre, post, comb, d: int, rms_eps: float, hc_eps: float, iters: int) -> None:

@@ -143,6 +143,11 @@ static_assert(MIX_CHANNELS == 128 && MIX_SPLIT % MIX_STEP == 0, "mla_mix: 4 chan
 // (rows padded by 4 floats: the 8 threads of a 16-byte load phase read 8 consecutive rows, 8
 // distinct bank quads) and a thread reads 4 channels of a row at once, so a step costs TH + TP
 // shared loads for 4 TH TP products where a thread per score took 8.
+// Component c (0..3, a constant after unrolling) of a 16-byte read: channel k + c of a row.
+static __device__ __forceinline__ float channel(const float4& v, int c) {
+    return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+}
+
 template <int TH, int TP>
 __device__ void mla_scores_regs(const float* q, const float* latent, const int* positions,
                                 float* scores, int H, int R, int W, float scale) {
@@ -208,27 +213,15 @@ __device__ void mla_scores_regs(const float* q, const float* latent, const int* 
             for (int a = 0; a < TH; ++a) q4[a] = *reinterpret_cast<const float4*>(&qs[hy + 16 * a][k]);
 #pragma unroll
             for (int b = 0; b < TP; ++b) c4[b] = *reinterpret_cast<const float4*>(&cs[px + 16 * b][k]);
-            float qv[TH], cv[TP];  // channel k, k + 1, k + 2, k + 3 in turn
 #pragma unroll
-            for (int a = 0; a < TH; ++a) qv[a] = q4[a].x;
+            for (int c = 0; c < 4; ++c) {  // channel k + c
+                float qv[TH], cv[TP];
 #pragma unroll
-            for (int b = 0; b < TP; ++b) cv[b] = c4[b].x;
-            madd(qv, cv);
+                for (int a = 0; a < TH; ++a) qv[a] = channel(q4[a], c);
 #pragma unroll
-            for (int a = 0; a < TH; ++a) qv[a] = q4[a].y;
-#pragma unroll
-            for (int b = 0; b < TP; ++b) cv[b] = c4[b].y;
-            madd(qv, cv);
-#pragma unroll
-            for (int a = 0; a < TH; ++a) qv[a] = q4[a].z;
-#pragma unroll
-            for (int b = 0; b < TP; ++b) cv[b] = c4[b].z;
-            madd(qv, cv);
-#pragma unroll
-            for (int a = 0; a < TH; ++a) qv[a] = q4[a].w;
-#pragma unroll
-            for (int b = 0; b < TP; ++b) cv[b] = c4[b].w;
-            madd(qv, cv);
+                for (int b = 0; b < TP; ++b) cv[b] = channel(c4[b], c);
+                madd(qv, cv);
+            }
         }
         for (int k = k4; k < kn; ++k) {  // R not a multiple of 4: the last channels one at a time
             float qv[TH], cv[TP];

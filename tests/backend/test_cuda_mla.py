@@ -255,11 +255,11 @@ def test_every_score_tile_writes_the_same_bits(h, rank, width, plane):
 
 
 def test_red_arm_a_score_tile_adding_two_channels_swapped_is_caught():
-    """The mutation: one tile adds channels k and k + 1 of every 4 in swapped order (a different
-    serial dot); the same comparison tells its bytes from (1, 1)'s."""
+    """The mutation: the tiles add channels k and k + 1 (and k + 2, k + 3) of every 4 in swapped
+    order (a different serial dot); the same comparison tells their bytes from (1, 1)'s."""
     src = runtime.kernel_dir().joinpath("mla.cu").read_text()
-    swapped = src.replace("q4[a].x", "@Q@").replace("q4[a].y", "q4[a].x").replace("@Q@", "q4[a].y")
-    swapped = swapped.replace("c4[b].x", "@C@").replace("c4[b].y", "c4[b].x").replace("@C@", "c4[b].y")
+    swapped = src.replace("channel(q4[a], c)", "channel(q4[a], c ^ 1)")
+    swapped = swapped.replace("channel(c4[b], c)", "channel(c4[b], c ^ 1)")
     assert swapped != src
     args = _score_inputs(*SCORE_SHAPES[0])
     base = _scores_of(runtime.module("mla"), (1, 1), *args)

@@ -135,6 +135,11 @@ extern "C" __global__ void kpool_select(const float* scores, int* out, const int
 static_assert(MEMRA_BLOCK == 256, "mla_scores and mla_mix tile 256 threads");
 static_assert(MIX_CHANNELS == 128 && MIX_SPLIT % MIX_STEP == 0, "mla_mix: 4 channels per lane");
 
+// Component c (0..3, a constant after unrolling) of a 16-byte read: channel k + c of a row.
+static __device__ __forceinline__ float channel(const float4& v, int c) {
+    return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+}
+
 // mla_scores on register tiles. grid (ceil(W / (16 TP)), t, ceil(H / (16 TH))), block
 // MEMRA_BLOCK: thread (hy = tid / 16, px = tid % 16) holds heads h0 + hy + 16 a (a < TH) and
 // positions j0 + px + 16 b (b < TP) of the block's tile, TH x TP serial dots over R in order (the
@@ -142,11 +147,8 @@ static_assert(MIX_CHANNELS == 128 && MIX_SPLIT % MIX_STEP == 0, "mla_mix: 4 chan
 // SCORE_KT channels of the tile's q rows and latent rows in shared memory in their own layout
 // (rows padded by 4 floats: the 8 threads of a 16-byte load phase read 8 consecutive rows, 8
 // distinct bank quads) and a thread reads 4 channels of a row at once, so a step costs TH + TP
-// shared loads for 4 TH TP products where a thread per score took 8.
-// Component c (0..3, a constant after unrolling) of a 16-byte read: channel k + c of a row.
-static __device__ __forceinline__ float channel(const float4& v, int c) {
-    return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
-}
+// shared loads for 4 TH TP products where a thread per score took 8. A tile with no selected
+// position (all -1) returns at once.
 
 template <int TH, int TP>
 __device__ void mla_scores_regs(const float* q, const float* latent, const int* positions,
@@ -244,9 +246,9 @@ __device__ void mla_scores_regs(const float* q, const float* latent, const int* 
 // Two blocks an SM (at most 128 registers): measured faster for the 4 x 2 tile (t = 8: 96.7 -> 71.1
 // us) and for a dot a thread on a short list (16.4 -> 12.2 us), the same on a full one.
 #define MLA_SCORES(TH, TP)                                                                         \
-    extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 2) mla_scores_h##TH##p##TP(const float* q, const float* latent,       \
-                                                       const int* positions, float* scores, int H, \
-                                                       int R, int W, float scale) {                \
+    extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 2)                                   \
+        mla_scores_h##TH##p##TP(const float* q, const float* latent, const int* positions,         \
+                                float* scores, int H, int R, int W, float scale) {                 \
         after_predecessor();                                                                       \
         mla_scores_regs<TH, TP>(q, latent, positions, scores, H, R, W, scale);                     \
     }

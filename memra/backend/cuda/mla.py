@@ -113,7 +113,8 @@ class MlaOps:
         out = cp.empty((t, h, rank), cp.float32)
         probs = cp.empty((t * h, width), cp.float32)
         th, tp = score_tile(t, width, h)
-        launch("mla", f"mla_scores_h{th}p{tp}", (blocks_of(width, 16 * tp), t, blocks_of(h, 16 * th)), (BLOCK,),
+        launch("mla", f"mla_scores_h{th}p{tp}", (blocks_of(width, 16 * tp), t, blocks_of(h, 16 * th)),
+               (BLOCK,),
                (q_lat, latent, positions, probs, i32(h), i32(rank), i32(width), f32(scale)))
         launch("mla", "mla_softmax", (t * h,), (BLOCK,), (probs, positions, i32(h), i32(width)))
         split = self._mix_split

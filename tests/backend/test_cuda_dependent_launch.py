@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
 from memra.backend.cuda import graphs, runtime  # noqa: E402
-from memra.backend.cuda.runtime import OPTIONS, kernel_dir, launch_kernel  # noqa: E402
+from memra.backend.cuda.runtime import launch_kernel, source_module  # noqa: E402
 
 SOURCE = r'''
 #include "common.cuh"
@@ -46,8 +46,7 @@ SPIN = np.int64(20_000_000)  # ~10 ms at the H200's clock: the successor is resi
 def module():
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    mod = cp.RawModule(code=SOURCE, options=OPTIONS + ("-I" + str(kernel_dir()),))
-    mod.compile()
+    mod = source_module(SOURCE)
     # each function's first launch loads it (CUDA's lazy loading), which waits for the device;
     # done here, so the launches under test are the decode step's kind
     flag, out = cp.zeros(1, cp.float32), cp.zeros(1, cp.float32)

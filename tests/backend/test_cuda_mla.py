@@ -226,10 +226,6 @@ def _scores_of(mod, tile, q, latent, pos, scale):
     return cp.asnumpy(out)
 
 
-def _mla_module(src: str):
-    return cp.RawModule(code=src, options=runtime.OPTIONS + ("-I" + str(runtime.kernel_dir()),))
-
-
 def _score_inputs(h, rank, width, plane, t=3):
     rows, shared = _mla_lists(h, rank, width, plane)[0](np.random.default_rng([h, rank, width]), t)
     return (cp.asarray(rows["q_lat"]), cp.asarray(shared["latent"]), cp.asarray(rows["positions"]),
@@ -263,7 +259,7 @@ def test_red_arm_a_score_tile_adding_two_channels_swapped_is_caught():
     assert swapped != src
     args = _score_inputs(*SCORE_SHAPES[0])
     base = _scores_of(runtime.module("mla"), (1, 1), *args)
-    mutated = _mla_module(swapped)
+    mutated = runtime.source_module(swapped)
     assert _scores_of(mutated, (1, 1), *args).tobytes() != base.tobytes()
     assert _scores_of(mutated, (4, 2), *args).tobytes() != base.tobytes()
 

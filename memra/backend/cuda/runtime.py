@@ -37,9 +37,13 @@ def kernel_dir():
 
 @functools.cache
 def module(family: str) -> "cp.RawModule":
-    src = kernel_dir().joinpath(f"{family}.cu").read_text()
-    include = "-I" + str(kernel_dir())
-    mod = cp.RawModule(code=src, options=OPTIONS + (include,))
+    return source_module(kernel_dir().joinpath(f"{family}.cu").read_text())
+
+
+def source_module(src: str) -> "cp.RawModule":
+    """CUDA source compiled as the kernel families are: the build's flags and defines, with
+    kernels_cu on the include path (tests compile mutated families and probes with it)."""
+    mod = cp.RawModule(code=src, options=OPTIONS + ("-I" + str(kernel_dir()),))
     mod.compile()
     return mod
 

@@ -34,18 +34,12 @@ def cupy_graph_ms(fn) -> float:
     import cupy as cp
 
     from memra.backend.cuda.dense import graph_counters, split_k_counters
+    from memra.backend.cuda.graphs import capture
 
     fn()
     cp.cuda.Device().synchronize()
-    pool, stream = cp.cuda.MemoryPool(), cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
     counters = split_k_counters()  # kept past the capture: the replays count on them
-    with cp.cuda.using_allocator(pool.malloc), stream, graph_counters(counters):
-        stream.begin_capture()
-        try:
-            for _ in range(GRAPH_CALLS):
-                fn()
-        finally:
-            graph = stream.end_capture()
+    _, graph, pool = capture(lambda: [fn() for _ in range(GRAPH_CALLS)], graph_counters(counters))
     return _per_call_ms(graph.launch)
 
 

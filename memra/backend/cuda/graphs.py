@@ -20,6 +20,8 @@ overwritten by the next replay of the same shape.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 import cupy as cp
@@ -44,22 +46,31 @@ def _inputs(tokens, pos0: int):
     return inputs
 
 
+def capture(fn, *contexts):
+    """fn() captured (not run) into a graph on a private stream and memory pool, inside
+    `contexts`: (what fn returned, the graph, the pool, which must live as long as the graph)."""
+    pool, stream = cp.cuda.MemoryPool(), cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
+    with cp.cuda.using_allocator(pool.malloc), stream, contextlib.ExitStack() as inside:
+        for context in contexts:
+            inside.enter_context(context)
+        stream.begin_capture()
+        try:
+            result = fn()
+        finally:
+            graph = stream.end_capture()
+    return result, graph, pool
+
+
 class CapturedWalk:
     """One walk shape captured into a graph, with its input buffers and output arrays."""
 
     def __init__(self, walk, tokens, pos0: int, arrays: tuple):
-        self.pool = cp.cuda.MemoryPool()
         self.inputs = _inputs(tokens, pos0)
         self.arrays = tuple(a.copy() for a in arrays)  # device inputs, copied in before a replay
         self.counters = split_k_counters()  # the graph's projection groups count split-K tiles here
-        stream = cp.cuda.Stream(non_blocking=True)  # the legacy stream cannot be captured
-        with (cp.cuda.using_allocator(self.pool.malloc), stream, graph_counters(self.counters),
-              dependent_launches()):
-            stream.begin_capture()
-            try:
-                self.outputs = walk(self.inputs[1:], self.inputs[:1], *self.arrays)
-            finally:
-                self.graph = stream.end_capture()
+        self.outputs, self.graph, self.pool = capture(
+            lambda: walk(self.inputs[1:], self.inputs[:1], *self.arrays),
+            graph_counters(self.counters), dependent_launches())
 
     def replay(self, tokens, pos0: int, arrays: tuple):
         _load(self.inputs, tokens, pos0)
@@ -67,18 +78,6 @@ class CapturedWalk:
             cp.copyto(buffer, a)  # stream-ordered: done before the graph overwrites its outputs
         self.graph.launch()  # on the current stream, after the uploads
         return self.outputs
-
-
-def _captured_steps(steps):
-    """steps() captured into a graph on a private stream and memory pool (not run)."""
-    pool, stream = cp.cuda.MemoryPool(), cp.cuda.Stream(non_blocking=True)
-    with cp.cuda.using_allocator(pool.malloc), stream:
-        stream.begin_capture()
-        try:
-            steps()
-        finally:
-            graph = stream.end_capture()
-    return graph, pool  # the pool lives as long as the graph
 
 
 class WalkGraphs:
@@ -103,7 +102,7 @@ class WalkGraphs:
             fn()
             return
         if key not in self.fixed:
-            self.fixed[key] = _captured_steps(fn)
+            self.fixed[key] = capture(fn)[1:]
         self.fixed[key][0].launch()  # on the current stream
 
     def run(self, key, walk, tokens, pos0: int, *arrays):

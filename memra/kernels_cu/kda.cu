@@ -96,8 +96,10 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // key lane kq = tid % 8) holds column j0 + c of S at the keys of its KPT slots: slot m is key
 // 16 (8 (m / 16) + kq) + m % 16 (16-key blocks dealt to the 8 key lanes in turn), so a column is
 // 8 adjacent lanes. Both dk-reductions: each thread over its slots in order, then an xor tree
-// over the column's lanes (offsets 4, 2, 1: the same bits in all eight). Keys past dk are idle
-// slots, so kda_recurrence_k32 does a dk <= 128 walk's arithmetic exactly as k16 does.
+// over the column's lanes (offsets 4, 2, 1: the same bits in all eight). A slot past dk holds
+// zeros (S, k, exp(g) and q staged as +0), so it adds +0 to both sums, which changes neither (a
+// sum that starts at +0 is never -0): the row loop tests no slot, and kda_recurrence_k32 does a
+// dk <= 128 walk's arithmetic exactly as k16 does.
 // The block stages STAGE rows' q, k, exp(g), v and beta in shared memory at a time: exp(g) is
 // taken once per key, not once per state entry, and a row's compute waits on no global load.
 // A verify walk records what its rollback needs (found, rec non-null): S as the walk found it at
@@ -226,10 +228,8 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
                 for (int u = 0; u < 4; ++u) {
                     const int m = 4 * m4 + u;
                     kk[m] = kvv[u];
-                    if (slot_key(m, kq) < dk) {
-                        s[m] = s[m] * ev[u];
-                        ks += kk[m] * s[m];
-                    }
+                    s[m] = s[m] * ev[u];
+                    ks += kk[m] * s[m];
                 }
             }
             ks = key_lanes_sum(ks);
@@ -245,10 +245,8 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
 #pragma unroll
                 for (int u = 0; u < 4; ++u) {
                     const int m = 4 * m4 + u;
-                    if (slot_key(m, kq) < dk) {
-                        s[m] = s[m] + kk[m] * delta;
-                        if constexpr (!REPLAY) qs += qvv[u] * s[m];
-                    }
+                    s[m] = s[m] + kk[m] * delta;
+                    if constexpr (!REPLAY) qs += qvv[u] * s[m];
                 }
             }
             if constexpr (!REPLAY) {

@@ -265,8 +265,9 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
 // The walk: grid (Hk, ceil(dv / KDA_COLS)), block MEMRA_BLOCK; found, rec null unless recording.
 // The replay: grid (Hk, ceil(dv / KDA_COLS), layers): layer z's rec at rec + z cap Hk rw (k | g | v
 // | beta), its found and state planes [Hk, dk, dv] side by side. Its blocks outnumber what the GPU
-// holds at once (every layer's heads), so REPLAY_BLOCKS of them share an SM: k16's replay fits 3
-// in 80 registers without spilling (a rollback keeping 7 rows of bench's 9 layers: 81 -> 67 us).
+// holds at once (every layer's heads), so REPLAY_BLOCKS of them share an SM: k16's replay fits 4
+// in 64 registers without spilling (bench's 9 layers, graph-timed against 3 an SM in one run,
+// the same bits: keeping 1, 7 and 14 rows 39.7 -> 38.2, 63.4 -> 60.2 and 91.2 -> 85.3 us).
 #define KDA_RECURRENCE(NAME, KPT, STAGE, REPLAY_BLOCKS)                                                  \
     extern "C" __global__ void NAME(const float* __restrict__ q, const float* __restrict__ k,            \
                                     const float* __restrict__ v, const float* __restrict__ g,            \
@@ -288,7 +289,7 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
                                    nullptr, rw);                                                         \
     }
 // dk <= 128 (every KDA checkpoint so far): a verify walk in one stage
-KDA_RECURRENCE(kda_recurrence_k16, 16, VERIFY_CAP, 3)
+KDA_RECURRENCE(kda_recurrence_k16, 16, VERIFY_CAP, 4)
 KDA_RECURRENCE(kda_recurrence_k32, 32, 8, 1)   // up to KDA_MAX_DK; shared memory holds 8 rows of 256 keys
 
 // short_conv for a prompt (prime class): the rows split into spans of KDA_CONV_SPAN, a thread

@@ -19,6 +19,9 @@ MOE_ROWS = 4096            # prompt rows per routed-experts pass (CUDA prime cla
 ATTEND_BYTES = 1 << 30     # scores (float32) and probability pieces one prompt attention chunk may hold
 ATTEND_ROWS = 256          # rows per prompt attention chunk at most: a chunk scores up to its last
                            # row's context, so short chunks waste little of the causal triangle
+LONG_LIST = 1024           # DSA selection lists this long or longer score on a wider CUDA tile
+                           # (backend/cuda/mla.py, same bits): walks from the position where
+                           # every list is this long are captured apart from the shorter ones
 
 
 def spec_context(prompt_len: int, max_new_tokens: int, k: int) -> int:

@@ -70,9 +70,6 @@
 #ifndef KDA_CHUNK_MAX_DK
 #define KDA_CHUNK_MAX_DK 128
 #endif
-#ifndef SCORE_KT
-#define SCORE_KT 64
-#endif
 #ifndef MIX_CHANNELS
 #define MIX_CHANNELS 128
 #endif

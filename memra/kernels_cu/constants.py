@@ -49,7 +49,6 @@ KDA_CHUNK = 16          # rows per chunk: the in-chunk solve is KDA_CHUNK x KDA_
 KDA_CHUNK_MAX_DK = 128  # key dim of the chunked scan: a scan block's warps hold 32 keys each
 
 # mla.cu
-SCORE_KT = 64       # latent channels per mla_scores shared-memory step
 MIX_CHANNELS = 128  # latent channels per mla_mix block (four per lane)
 MIX_SPLIT = 64      # list entries per mla_mix partial: a split size, never a count
 MIX_STEP = 16       # list entries per mla_mix shared-memory step; a split is a multiple
@@ -87,7 +86,6 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "KDA_CONV_LANES": KDA_CONV_LANES,
     "KDA_CHUNK": KDA_CHUNK,
     "KDA_CHUNK_MAX_DK": KDA_CHUNK_MAX_DK,
-    "SCORE_KT": SCORE_KT,
     "MIX_CHANNELS": MIX_CHANNELS,
     "MIX_SPLIT": MIX_SPLIT,
     "MIX_STEP": MIX_STEP,

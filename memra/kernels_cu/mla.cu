@@ -144,16 +144,16 @@ static __device__ __forceinline__ float channel(const float4& v, int c) {
 // MEMRA_BLOCK: thread (hy = tid / 16, px = tid % 16) holds heads h0 + hy + 16 a (a < TH) and
 // positions j0 + px + 16 b (b < TP) of the block's tile, TH x TP serial dots over R in order (the
 // tile only says which thread runs a dot: same bits at every TH, TP). Each step stages
-// SCORE_KT channels of the tile's q rows and latent rows in shared memory in their own layout
+// KT channels of the tile's q rows and latent rows in shared memory in their own layout
 // (rows padded by 4 floats: the 8 threads of a 16-byte load phase read 8 consecutive rows, 8
 // distinct bank quads) and a thread reads 4 channels of a row at once, so a step costs TH + TP
 // shared loads for 4 TH TP products where a thread per score took 8. A tile with no selected
 // position (all -1) returns at once.
 
-template <int TH, int TP>
+template <int TH, int TP, int KT>
 __device__ void mla_scores_regs(const float* q, const float* latent, const int* positions,
                                 float* scores, int H, int R, int W, float scale) {
-    constexpr int HB = 16 * TH, PB = 16 * TP, KT = SCORE_KT, LD = KT + 4;
+    constexpr int HB = 16 * TH, PB = 16 * TP, LD = KT + 4;
     constexpr int QL = HB * KT / MEMRA_BLOCK, CL = PB * KT / MEMRA_BLOCK;
     static_assert(KT % 4 == 0 && QL * MEMRA_BLOCK == HB * KT, "16 x 16 threads, 16-byte reads");
     __shared__ __align__(16) float qs[HB][LD];
@@ -244,16 +244,19 @@ __device__ void mla_scores_regs(const float* q, const float* latent, const int* 
 }
 
 // Two blocks an SM (at most 128 registers): measured faster for the 4 x 2 tile (t = 8: 96.7 -> 71.1
-// us) and for a dot a thread on a short list (16.4 -> 12.2 us), the same on a full one.
-#define MLA_SCORES(TH, TP)                                                                         \
+// us) and for a dot a thread on a short list (16.4 -> 12.2 us), the same on a full one. KT, the
+// channels a step stages, was measured per tile at 32, 64 and 128 (graph-timed, H 64, R 512):
+// the 2 x 2 tile is fastest at 32 (one row's full list 14.7 us, 15.8 at 64), the others at 64.
+#define MLA_SCORES(TH, TP, KT)                                                                     \
     extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 2)                                   \
         mla_scores_h##TH##p##TP(const float* q, const float* latent, const int* positions,         \
                                 float* scores, int H, int R, int W, float scale) {                 \
         after_predecessor();                                                                       \
-        mla_scores_regs<TH, TP>(q, latent, positions, scores, H, R, W, scale);                     \
+        mla_scores_regs<TH, TP, KT>(q, latent, positions, scores, H, R, W, scale);                 \
     }
-MLA_SCORES(1, 1)  // one dot a thread: one row's tile (mla.py SCORE_TILES)
-MLA_SCORES(4, 2)
+MLA_SCORES(1, 1, 64)  // one dot a thread (mla.py score_tile says which tile a walk takes)
+MLA_SCORES(2, 2, 32)
+MLA_SCORES(4, 2, 64)
 
 // grid (t * H), block MEMRA_BLOCK: scores -> probabilities in place; invalid entries get 0.
 extern "C" __global__ void mla_softmax(float* scores, const int* positions, int H, int W) {

@@ -212,7 +212,7 @@ def test_more_padding_past_a_short_list_changes_no_bit(t):
 
 # ---- mla_scores' register tiles ---------------------------------------------------------------
 
-SCORE_KERNELS = ((1, 1), (4, 2))  # mla.cu's MLA_SCORES
+SCORE_KERNELS = ((1, 1), (2, 2), (4, 2))  # mla.cu's MLA_SCORES
 
 
 def _scores_of(mod, tile, q, latent, pos, scale):
@@ -247,7 +247,7 @@ def test_every_score_tile_writes_the_same_bits(h, rank, width, plane):
     assert np.isfinite(base[valid]).all() and np.isnan(base[~valid]).all()
     for tile in SCORE_KERNELS[1:]:
         assert _scores_of(mod, tile, *args).tobytes() == base.tobytes(), tile
-    assert score_tile(1, width, h) in SCORE_KERNELS and score_tile(15, width, h) in SCORE_KERNELS
+    assert {score_tile(t, width, h, long) for t in (1, 15) for long in (False, True)} <= set(SCORE_KERNELS)
 
 
 def test_red_arm_a_score_tile_adding_two_channels_swapped_is_caught():
@@ -260,8 +260,8 @@ def test_red_arm_a_score_tile_adding_two_channels_swapped_is_caught():
     args = _score_inputs(*SCORE_SHAPES[0])
     base = _scores_of(runtime.module("mla"), (1, 1), *args)
     mutated = runtime.source_module(swapped)
-    assert _scores_of(mutated, (1, 1), *args).tobytes() != base.tobytes()
-    assert _scores_of(mutated, (4, 2), *args).tobytes() != base.tobytes()
+    for tile in SCORE_KERNELS:
+        assert _scores_of(mutated, tile, *args).tobytes() != base.tobytes(), tile
 
 
 # ---- the position read from the device (what a captured walk replays) -------------------------

@@ -67,6 +67,30 @@ def test_the_numpy_walk_runner_runs_every_walk_eagerly(fixture_dir):
     model = load_model(fixture_dir("mini"), backend="numpy")
     cache = model.new_cache(32)
     seen = []
-    out = cache.walks.run((1, False, ()), lambda tok, at: seen.append((tok.tolist(), at)) or "out",
+    out = cache.walks.run((1, False, (), False), lambda tok, at: seen.append((tok.tolist(), at)) or "out",
                           np.array([5]), 9)
     assert out == "out" and seen == [([5], 9)]
+
+
+@pytest.mark.parametrize("long_list", [3, 6, 8, 10])
+def test_long_lists_holds_exactly_where_every_rows_selection_is_that_long(monkeypatch, long_list):
+    """model.mla.long_lists(cfg, pos0), the hint a walk's graph key and mla_attend carry, against
+    the selections kpool_select makes (index_topk 8, P 4): true only where every row of a walk
+    at pos0 attends at least LONG_LIST positions; while LONG_LIST <= index_topk, false only where
+    the walk's first row attends fewer (past index_topk a list's length follows its tail pool)."""
+    from types import SimpleNamespace
+
+    from memra.model import mla
+
+    monkeypatch.setattr(mla, "LONG_LIST", long_list)
+    cfg, budget, width, rng = SimpleNamespace(index_topk=8), 2, 11, np.random.default_rng(long_list)
+    pool_keys = normal(rng, (40 // POOL + 1, DI))
+    for pos0 in range(30):
+        t = 3
+        q, w = normal(rng, (t, 2, DI)), normal(rng, (t, 2))
+        lists = BE.kpool_select(q, w, pool_keys, pos0, POOL, budget, width, DI ** -0.5)
+        entries = (lists >= 0).sum(axis=1)
+        if mla.long_lists(cfg, pos0):
+            assert (entries >= long_list).all(), (pos0, entries)
+        elif long_list <= cfg.index_topk:
+            assert entries[0] < long_list, (pos0, entries)

@@ -69,9 +69,27 @@ def test_graph_decoding_is_eager_decoding_bit_for_bit_on_two_caches_in_turn(mode
     caches = [_cache(model, True) for _ in prompts]
     graphed = _greedy(model, list(zip(caches, prompts)))
     for cache in caches:
-        assert list(cache.walks.graphs) == [(1, False, ())], "the decode walk was not captured"
+        assert list(cache.walks.graphs) == [(1, False, (), False)], "the decode walk was not captured"
     for e, g in zip(eager, graphed):
         assert _same(e, g)
+
+
+def test_walks_from_the_long_list_position_on_are_captured_apart_with_the_eager_bits(model, monkeypatch):
+    """LONG_LIST lowered to 6 (mini and small select index_topk 8): from position 5 on every list
+    holds 6 positions, mla_attend gets long_lists and scores on its wider tile (counted), and the
+    decode walk is captured again under that key; eager and replayed logits stay bit-identical."""
+    from benchmarks.common import counted_launches
+    from memra.model import mla
+
+    monkeypatch.setattr(mla, "LONG_LIST", 6)
+    prompt = _prompt(model, 2, 5)
+    eager = _greedy(model, [(_cache(model, False), prompt)], steps=8)
+    cache = _cache(model, True)
+    with counted_launches() as launches:
+        graphed = _greedy(model, [(cache, prompt)], steps=8)
+    assert list(cache.walks.graphs) == [(1, False, (), False), (1, False, (), True)]
+    assert launches["mla.mla_scores_h1p1"] and launches["mla.mla_scores_h2p2"]  # eager steps of each class
+    assert _same(eager[0], graphed[0])
 
 
 def test_a_captured_walk_owns_its_split_k_counters(model):
@@ -109,7 +127,7 @@ def test_replayed_verify_walks_and_their_rollbacks_are_the_eager_ones(model, t):
             rounds.append(live_state(model, cache))
         runs[graphs] = rounds
         if graphs:
-            assert (t, True, tap) in cache.walks.graphs
+            assert (t, True, tap, False) in cache.walks.graphs
     for eager, graphed in zip(runs[False], runs[True]):
         assert _same(eager, graphed)
 
@@ -176,5 +194,5 @@ def test_replayed_mtp_draft_steps_are_the_eager_ones(model):
             tokens, h = [int(np.argmax(out[-1][0][-1]))], carrier[-1:]
         runs[walks is None] = out
         if walks is not None:
-            assert set(walks.graphs) == {(1,)}  # the 3-row step ran once: eager only
+            assert set(walks.graphs) == {(1, False)}  # the 3-row step ran once: eager only
     assert _same(tuple(runs[True]), tuple(runs[False]))

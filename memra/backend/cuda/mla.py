@@ -16,23 +16,23 @@ from memra.backend.cuda.prime import is_prime, prime_attend, prime_pool_scores
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, position
 from memra.kernels_cu.constants import MIX_CHANNELS, MIX_SPLIT, MIX_STEP
 
-# mla_scores' register tiles (heads, positions a thread), largest first: a walk takes the first
-# whose grid has SCORE_BLOCKS blocks, else the last. Measured at H 64, R 512 (graph-timed, every
-# tile from 1 x 1 to 4 x 4, lists of 2063 with 600 or all entries valid): (4, 2) is fastest from
-# 8 rows; one row runs a dot a thread, the fastest on the short list (a decode step at 600
-# positions, 12.2 us) and within 1.5x of the best on the full one (21.8 against 14.9 us for
-# (2, 2), which on the short list takes 15.1). The tile changes no score (each is one serial
-# dot over R, whichever thread runs it), so it may follow t.
-SCORE_TILES = ((4, 2), (1, 1))
+# mla_scores' register tiles (heads, positions a thread), by list length: a walk takes the wider
+# tile when its grid has SCORE_BLOCKS blocks, else the narrower. Graph-timed at H 64, R 512, lists
+# of 2063 entries, one row: a full list (2063 valid) 21.7 us on (1, 1), 14.7 on (2, 2); 1400 valid
+# 18.9 and 14.6; 600 valid 11.9 and 14.6 (a short list leaves most (2, 2) blocks idle, and one
+# block's time is the kernel's). Eight rows: full (4, 2) 70.4, (2, 2) 80.2; 600 valid (4, 2) 36.5,
+# (2, 2) 32.4, (1, 1) 56.4. The tile changes no score (each is one serial dot over R, whichever
+# thread runs it), so it may follow t and the caller's hint.
+SCORE_TILES = {False: ((2, 2), (1, 1)), True: ((4, 2), (2, 2))}  # long_lists -> (wider, narrower)
 SCORE_BLOCKS = 256
 
 
-def score_tile(t: int, width: int, heads: int) -> tuple[int, int]:
-    """(TH, TP) of mla_scores_h<TH>p<TP> for t rows of `width` entries and `heads` heads."""
-    for th, tp in SCORE_TILES:
-        if t * blocks_of(width, 16 * tp) * blocks_of(heads, 16 * th) >= SCORE_BLOCKS:
-            return th, tp
-    return SCORE_TILES[-1]
+def score_tile(t: int, width: int, heads: int, long_lists: bool) -> tuple[int, int]:
+    """(TH, TP) of mla_scores_h<TH>p<TP> for t rows of `width` entries and `heads` heads;
+    long_lists: every row's list is known to hold at least memra.limits.LONG_LIST positions."""
+    wide, narrow = SCORE_TILES[bool(long_lists)]
+    th, tp = wide
+    return wide if t * blocks_of(width, 16 * tp) * blocks_of(heads, 16 * th) >= SCORE_BLOCKS else narrow
 
 
 class MlaOps:
@@ -97,8 +97,9 @@ class MlaOps:
                shared_mem=4 * budget)
         return out
 
-    def mla_attend(self, q_lat, latent, positions, scale: float):
-        """o_lat [t, H, R] = sum_j softmax_j(scale q_lat . c_j) c_j over each row's positions."""
+    def mla_attend(self, q_lat, latent, positions, scale: float, long_lists: bool = False):
+        """o_lat [t, H, R] = sum_j softmax_j(scale q_lat . c_j) c_j over each row's positions.
+        long_lists (the lists hold at least LONG_LIST positions each) picks the score tile only."""
         check(q_lat, cp.float32, "q_lat")
         check(latent, cp.float32, "latent")
         check(positions, cp.int32, "positions")
@@ -112,7 +113,7 @@ class MlaOps:
             return prime_attend(q_lat, latent, positions, scale)
         out = cp.empty((t, h, rank), cp.float32)
         probs = cp.empty((t * h, width), cp.float32)
-        th, tp = score_tile(t, width, h)
+        th, tp = score_tile(t, width, h, long_lists)
         launch("mla", f"mla_scores_h{th}p{tp}", (blocks_of(width, 16 * tp), t, blocks_of(h, 16 * th)),
                (BLOCK,),
                (q_lat, latent, positions, probs, i32(h), i32(rank), i32(width), f32(scale)))

@@ -17,22 +17,24 @@ from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch
 from memra.kernels_cu.constants import MIX_CHANNELS, MIX_SPLIT, MIX_STEP
 
 # mla_scores' register tiles (heads, positions a thread), by list length: a walk takes the wider
-# tile when its grid has SCORE_BLOCKS blocks, else the narrower. Graph-timed at H 64, R 512, lists
-# of 2063 entries, one row: a full list (2063 valid) 21.7 us on (1, 1), 14.7 on (2, 2); 1400 valid
-# 18.9 and 14.6; 600 valid 11.9 and 14.6 (a short list leaves most (2, 2) blocks idle, and one
-# block's time is the kernel's). Eight rows: full (4, 2) 70.4, (2, 2) 80.2; 600 valid (4, 2) 36.5,
-# (2, 2) 32.4, (1, 1) 56.4. The tile changes no score (each is one serial dot over R, whichever
-# thread runs it), so it may follow t and the caller's hint.
-SCORE_TILES = {False: ((2, 2), (1, 1)), True: ((4, 2), (2, 2))}  # long_lists -> (wider, narrower)
-SCORE_BLOCKS = 256
+# tile when its grid has `blocks` blocks, else the narrower. A short list leaves most blocks of a
+# wide tile idle (one block's time is then the kernel's), so there the wide tile waits for twice
+# the grid. Graph-timed at H 64, R 512, lists of 2063 entries (us; full / 1400 / 600 valid):
+#   t = 1: (1, 1) 21.7 / 18.9 / 11.9, (2, 2) 14.7 / 14.6 / 14.6;
+#   t = 2: (1, 1) 42.4 / 32.5 / 19.9, (2, 2) 22.3 / 22.4 / 22.3, (4, 2) 23.2;
+#   t = 4: (2, 2) 42.7 / 31.6 / 31.4, (4, 2) 36.0 / 35.9 / 36.0, (1, 1) 32.6 at 600;
+#   t = 8: (2, 2) 80.2 / 60.7 / 32.4, (4, 2) 70.6 / 56.7 / 36.6, (1, 1) 56.4 at 600.
+# The tile changes no score (each is one serial dot over R, whichever thread runs it), so it may
+# follow t and the caller's hint.
+SCORE_TILES = {True: ((4, 2), (2, 2), 256), False: ((2, 2), (1, 1), 512)}  # long_lists -> (wide, narrow, blocks)
 
 
 def score_tile(t: int, width: int, heads: int, long_lists: bool) -> tuple[int, int]:
     """(TH, TP) of mla_scores_h<TH>p<TP> for t rows of `width` entries and `heads` heads;
     long_lists: every row's list is known to hold at least memra.limits.LONG_LIST positions."""
-    wide, narrow = SCORE_TILES[bool(long_lists)]
+    wide, narrow, blocks = SCORE_TILES[bool(long_lists)]
     th, tp = wide
-    return wide if t * blocks_of(width, 16 * tp) * blocks_of(heads, 16 * th) >= SCORE_BLOCKS else narrow
+    return wide if t * blocks_of(width, 16 * tp) * blocks_of(heads, 16 * th) >= blocks else narrow
 
 
 class MlaOps:

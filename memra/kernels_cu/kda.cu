@@ -108,9 +108,13 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // again from found with the same staging and per-row arithmetic, q and o left out (S never reads
 // them), so it leaves S bit for bit as the walk did after those rows: a rollback costs one launch
 // for every layer of a part, and the walk writes one state, not one a row.
-// The found state leaves the threads' slots through shared memory (Slab), so each warp store is
-// whole 128-byte key rows; a warp's slots are 4 columns x 8 key lanes, 16 bytes in each of 8
-// rows (the live state's one load and one store keep that pattern).
+// The found and the final states leave the threads' slots through shared memory (Slab), so each
+// warp store is whole 128-byte key rows; a warp's slots are 4 columns x 8 key lanes, 16 bytes in
+// each of 8 rows, and the state's one load keeps that pattern: loading through the slab too waits
+// on every row before the first is used (graph-timed at H 64 x 128, the same bits: storing through
+// it takes t = 1 / 8 / 15 from 4.98 / 10.94 / 16.34 to 4.80 / 9.78 / 15.10 us and the replay of 9
+// layers keeping 1 / 7 / 14 rows from 38.3 / 60.0 / 85.5 to 34.1 / 56.4 / 82.7; loading through
+// it as well, 7.19 / 12.09 / 17.36 and 60.1 / 81.3 / 106.5).
 constexpr int KDA_KEY_LANES = MEMRA_BLOCK / KDA_COLS;
 static_assert(KDA_KEY_LANES == 8, "a column's key lanes: 8 adjacent lanes, a 3-level xor tree");
 static_assert(KDA_MAX_DK <= KDA_KEY_LANES * 32, "kda_recurrence_k32 holds 32 keys a thread");
@@ -255,11 +259,7 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
             }
         }
     }
-    if (active) {
-#pragma unroll
-        for (int m = 0; m < KPT; ++m)
-            if (slot_key(m, kq) < dk) state[at + (long long)slot_key(m, kq) * dv] = s[m];
-    }
+    store_slab<KPT>(s, slab, state + (long long)h * dk * dv, dk, dv, j0, c, kq);
 }
 
 // The walk: grid (Hk, ceil(dv / KDA_COLS)), block MEMRA_BLOCK; found, rec null unless recording.

@@ -16,25 +16,27 @@ from memra.backend.cuda.prime import is_prime, prime_attend, prime_pool_scores
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, position
 from memra.kernels_cu.constants import MIX_CHANNELS, MIX_SPLIT, MIX_STEP
 
-# mla_scores' register tiles (heads, positions a thread), by list length: a walk takes the wider
-# tile when its grid has `blocks` blocks, else the narrower. A short list leaves most blocks of a
-# wide tile idle (one block's time is then the kernel's), so there the wide tile waits for twice
-# the grid. Graph-timed at H 64, R 512, lists of 2063 entries (us; full / 1400 / 600 valid):
+# mla_scores' register tiles (heads, positions a thread), by list length: a walk takes the wide
+# tile when its grid has SCORE_BLOCKS blocks, else the narrow one. Graph-timed at H 64, R 512,
+# lists of 2063 entries (us; full / 1400 / 600 valid):
 #   t = 1: (1, 1) 21.7 / 18.9 / 11.9, (2, 2) 14.7 / 14.6 / 14.6;
 #   t = 2: (1, 1) 42.4 / 32.5 / 19.9, (2, 2) 22.3 / 22.4 / 22.3, (4, 2) 23.2;
-#   t = 4: (2, 2) 42.7 / 31.6 / 31.4, (4, 2) 36.0 / 35.9 / 36.0, (1, 1) 32.6 at 600;
-#   t = 8: (2, 2) 80.2 / 60.7 / 32.4, (4, 2) 70.6 / 56.7 / 36.6, (1, 1) 56.4 at 600.
-# The tile changes no score (each is one serial dot over R, whichever thread runs it), so it may
-# follow t and the caller's hint.
-SCORE_TILES = {True: ((4, 2), (2, 2), 256), False: ((2, 2), (1, 1), 512)}  # long_lists -> (wide, narrow, blocks)
+#   t = 8: (4, 2) 70.6 / 56.7 / 36.6, (2, 2) 80.2 / 60.7 / 32.4.
+# A short list leaves most blocks of a wider tile idle (one block's time is then the kernel's), so
+# the narrow tile there is one dot a thread. (2, 2) on short lists from 4 rows was tried: 4 us
+# faster at t = 8 and 600 entries, but a 15-row walk of bench-dense at context 512 profiled 53 us
+# a call against (4, 2)'s 40. The tile changes no score (each is one serial dot over R, whichever
+# thread runs it), so it may follow t and the caller's hint.
+SCORE_TILES = {True: ((4, 2), (2, 2)), False: ((4, 2), (1, 1))}  # long_lists -> (wide, narrow)
+SCORE_BLOCKS = 256
 
 
 def score_tile(t: int, width: int, heads: int, long_lists: bool) -> tuple[int, int]:
     """(TH, TP) of mla_scores_h<TH>p<TP> for t rows of `width` entries and `heads` heads;
     long_lists: every row's list is known to hold at least memra.limits.LONG_LIST positions."""
-    wide, narrow, blocks = SCORE_TILES[bool(long_lists)]
+    wide, narrow = SCORE_TILES[bool(long_lists)]
     th, tp = wide
-    return wide if t * blocks_of(width, 16 * tp) * blocks_of(heads, 16 * th) >= blocks else narrow
+    return wide if t * blocks_of(width, 16 * tp) * blocks_of(heads, 16 * th) >= SCORE_BLOCKS else narrow
 
 
 class MlaOps:

@@ -97,12 +97,12 @@ def decode(path: str, r: dict) -> list[str]:
     frac, eager = d["bandwidth_fraction"], d.get("eager") or d
     replay = d.get("replay_gpu_ms")  # absent from older records; None without captured graphs
     session = d.get("session")  # absent from older records
-    out = [_head(path, r), "", f"| preset | decode ms/step ({d.get('mode', 'eager')}) | "
+    out = [_head(path, r), "", f"| preset | context | decode ms/step ({d.get('mode', 'eager')}) | "
            + ("GPU ms/step (replay alone) | " if replay is not None else "") + "eager ms/step | tokens/s | "
            + ("session tokens/s | " if session else "") + "weights/step | of copy bw | host share | "
            + " | ".join(f"prefill {p['tokens']} tok/s" for p in r["prefill"].values()) + " |",
-           "|---" * (7 + (replay is not None) + bool(session) + len(r["prefill"])) + "|"]
-    out.append(f"| {_preset(r)} | {d['ms_per_step']:.2f} | " + (f"{replay:.3f} | " if replay is not None else "")
+           "|---" * (8 + (replay is not None) + bool(session) + len(r["prefill"])) + "|"]
+    out.append(f"| {_preset(r)} | {r['config']['context']} | {d['ms_per_step']:.2f} | " + (f"{replay:.3f} | " if replay is not None else "")
                + f"{eager['ms_per_step']:.2f} | {d['tokens_per_s']:.1f} | "
                + (f"{session['tokens_per_s']:.1f} | " if session else "")
                + f"{d['weight_bytes_per_step'] / 1e9:.2f} GB | {100 * frac:.0f}% | {100 * d['host_share']:.0f}% | "

@@ -246,7 +246,8 @@ __device__ void mla_scores_regs(const float* q, const float* latent, const int* 
 // Two blocks an SM (at most 128 registers): measured faster for the 4 x 2 tile (t = 8: 96.7 -> 71.1
 // us) and for a dot a thread on a short list (16.4 -> 12.2 us), the same on a full one. KT, the
 // channels a step stages, was measured per tile at 32, 64 and 128 (graph-timed, H 64, R 512):
-// the 2 x 2 tile is fastest at 32 (one row's full list 14.7 us, 15.8 at 64), the others at 64.
+// the 2 x 2 tile is fastest at 32 (one row's full list 14.7 us, 15.8 at 64, 17.7 at 128, where it
+// spills), the others within 3% of their best at 64.
 #define MLA_SCORES(TH, TP, KT)                                                                     \
     extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 2)                                   \
         mla_scores_h##TH##p##TP(const float* q, const float* latent, const int* positions,         \

@@ -291,7 +291,8 @@ class Glm5Model:
         """Run the walk through the cache's runner -> (logits, collapsed, taps)
         (a pipelined model runs it stage by stage instead: model/pipeline.py)."""
         walk = lambda tok, at: self._walk(tok, at, cache, snapshots, tap_layers)
-        return cache.walks.run(self._walk_key(tokens, cache, snapshots, tap_layers, replay), walk, tokens, cache.pos)
+        key = self._walk_key(tokens, cache, snapshots, tap_layers, replay)
+        return cache.walks.run(key, walk, tokens, cache.pos)
 
     def _walk_key(self, tokens, cache: Cache, snapshots: bool, tap_layers: tuple, replay: bool):
         """The graph key of a walk: what fixes its launches (the rows, the snapshots, the taps,

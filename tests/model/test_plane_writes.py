@@ -86,8 +86,7 @@ def test_long_lists_holds_exactly_where_every_rows_selection_is_that_long(monkey
     cfg, budget, width, rng = SimpleNamespace(index_topk=8), 2, 11, np.random.default_rng(long_list)
     pool_keys = normal(rng, (40 // POOL + 1, DI))
     for pos0 in range(30):
-        t = 3
-        q, w = normal(rng, (t, 2, DI)), normal(rng, (t, 2))
+        q, w = normal(rng, (3, 2, DI)), normal(rng, (3, 2))  # a walk of 3 rows at pos0
         lists = BE.kpool_select(q, w, pool_keys, pos0, POOL, budget, width, DI ** -0.5)
         entries = (lists >= 0).sum(axis=1)
         if mla.long_lists(cfg, pos0):

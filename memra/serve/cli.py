@@ -188,15 +188,18 @@ def _uvicorn_server(uvicorn, config, scheduler, grace_s: float):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound TCP socket for uvicorn (port 0: a free one). Made with getaddrinfo's protocol
-    number: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say IPPROTO_TCP, and
-    without it every response waits out a 40 ms delayed ACK."""
+    """A bound, listening TCP socket for uvicorn (port 0: a free one). Made with getaddrinfo's
+    protocol number: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say IPPROTO_TCP,
+    and without it every response waits out a 40 ms delayed ACK. It listens before it is
+    returned, so a client that connects on the "listening on" line, before uvicorn's loop runs,
+    waits in the backlog instead of being refused (uvicorn listens on it again with its own)."""
     sock = None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen()
     except OSError as exc:
         if sock is not None:
             sock.close()

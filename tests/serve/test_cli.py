@@ -100,6 +100,21 @@ def test_memra_serve_reaches_the_server_and_refuses_a_bad_flag_in_one_line():
     assert help_.returncode == 0 and "--max-sessions" in help_.stdout and "--burst-tokens" in help_.stdout
 
 
+def test_the_bound_socket_takes_a_connection_before_the_server_runs():
+    """serve prints its "listening on" line between binding and uvicorn's start: a client that
+    connects on the line is queued, not refused (a refused connect failed a SIGTERM test once)."""
+    import socket
+
+    from memra.serve.cli import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        with socket.create_connection(sock.getsockname()[:2], timeout=5):
+            pass
+    finally:
+        sock.close()
+
+
 def test_a_missing_checkpoint_is_refused_before_anything_listens(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "memra.serve", "--checkpoint", str(tmp_path / "nope")], cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=60)

@@ -70,6 +70,9 @@
 #ifndef KDA_CHUNK_MAX_DK
 #define KDA_CHUNK_MAX_DK 128
 #endif
+#ifndef KPOOL_POOLS
+#define KPOOL_POOLS 8
+#endif
 #ifndef MIX_CHANNELS
 #define MIX_CHANNELS 128
 #endif

@@ -49,6 +49,7 @@ KDA_CHUNK = 16          # rows per chunk: the in-chunk solve is KDA_CHUNK x KDA_
 KDA_CHUNK_MAX_DK = 128  # key dim of the chunked scan: a scan block's warps hold 32 keys each
 
 # mla.cu
+KPOOL_POOLS = 8     # pools per kpool_scores block: a thread a (pool, head) dot, 32 heads x 8 = 256
 MIX_CHANNELS = 128  # latent channels per mla_mix block (four per lane)
 MIX_SPLIT = 64      # list entries per mla_mix partial: a split size, never a count
 MIX_STEP = 16       # list entries per mla_mix shared-memory step; a split is a multiple
@@ -86,6 +87,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "KDA_CONV_LANES": KDA_CONV_LANES,
     "KDA_CHUNK": KDA_CHUNK,
     "KDA_CHUNK_MAX_DK": KDA_CHUNK_MAX_DK,
+    "KPOOL_POOLS": KPOOL_POOLS,
     "MIX_CHANNELS": MIX_CHANNELS,
     "MIX_SPLIT": MIX_SPLIT,
     "MIX_STEP": MIX_STEP,

@@ -14,7 +14,9 @@ import cupy as cp
 
 from memra.backend.cuda.prime import is_prime, prime_attend, prime_pool_scores
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, launch, position
-from memra.kernels_cu.constants import MIX_CHANNELS, MIX_SPLIT, MIX_STEP
+from memra.kernels_cu.constants import KPOOL_POOLS, MIX_CHANNELS, MIX_SPLIT, MIX_STEP
+
+SHARED_BYTES = 48 * 1024  # a launch's dynamic shared memory without opting in to more
 
 # mla_scores' register tiles (heads, positions a thread), by list length: a walk takes the wide
 # tile when its grid has SCORE_BLOCKS blocks, else the narrow one. Graph-timed at H 64, R 512,
@@ -93,12 +95,13 @@ class MlaOps:
             scores = prime_pool_scores(q, w, pool_keys, scale)
         else:
             scores = cp.empty((t, max(nmax, 1)), cp.float32)
-            launch("mla", "kpool_scores", (blocks_of(max(nmax, 1)), t), (BLOCK,),
+            staged = 4 * (hi * (di + 1) + KPOOL_POOLS * hi)  # the row's q, padded, and the pools' terms
+            assert staged <= SHARED_BYTES, f"kpool_scores: {hi} x {di} indexer heads need {staged} bytes of shared memory"
+            launch("mla", "kpool_scores", (blocks_of(max(nmax, 1), KPOOL_POOLS), t), (BLOCK,),
                    (q, w, pool_keys, scores, at, i32(pool), i32(budget), i32(hi), i32(di),
-                    i32(max(nmax, 1)), f32(scale)))
+                    i32(max(nmax, 1)), f32(scale)), shared_mem=staged)
         launch("mla", "kpool_select", (t,), (BLOCK,),
-               (scores, out, at, i32(pool), i32(budget), i32(width), i32(max(nmax, 1))),
-               shared_mem=4 * budget)
+               (scores, out, at, i32(pool), i32(budget), i32(width), i32(max(nmax, 1))))
         return out
 
     def mla_attend(self, q_lat, latent, positions, scale: float, long_lists: bool = False):

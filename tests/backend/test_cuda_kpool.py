@@ -157,9 +157,11 @@ def test_red_arm_kpool_select_breaking_ties_to_the_higher_pool_is_caught():
                               _want(scores, 3000, width))
 
 
-def test_the_backend_selects_what_the_kernels_do_on_a_long_plane():
-    """MlaOps.kpool_select (kpool_scores then kpool_select) against the two gates' oracles chained."""
-    q, w, pool_keys, scale = _score_inputs(32, 128, 400, 3, seed=1)
+@pytest.mark.parametrize("hi, di", [(32, 128), (128, 128)])
+def test_the_backend_selects_what_the_kernels_do_on_a_long_plane(hi, di):
+    """MlaOps.kpool_select (kpool_scores then kpool_select) against the two gates' oracles chained;
+    128 heads of 128 stage 70 KB of q, past what a launch gets without opting in."""
+    q, w, pool_keys, scale = _score_inputs(hi, di, 400, 3, seed=1)
     width = (BUDGET + 1) * POOL - 1
     got = cp.asnumpy(MlaOps().kpool_select(q, w, pool_keys, 3000, POOL, BUDGET, width, scale))
     serial = _serial(q, w, pool_keys, 3000, 400, scale)

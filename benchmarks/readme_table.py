@@ -136,7 +136,8 @@ def _profile(prof: dict | None, what: str) -> list[str]:
 
 def verify(path: str, r: dict) -> list[str]:
     walks = list(r["verify"].values())
-    out = [_head(path, r), "", f"| {_preset(r)}: rows t | " + " | ".join(str(w["rows"]) for w in walks) + " |",
+    where = f"{_preset(r)}, {r['config']['context']}-token context, decode step {r['decode_ms']:.2f} ms"
+    out = [_head(path, r), "", f"| {where}: rows t | " + " | ".join(str(w["rows"]) for w in walks) + " |",
            "|---" * (len(walks) + 1) + "|",
            "| verify / decode step | " + " | ".join(f"{w['ratio_to_decode']:.2f}" for w in walks) + " |"]
     if all("verify_rows_ms" in w for w in walks):  # records before it timed the walk with the host copy only

@@ -3,7 +3,7 @@ and against the bound its realised acceptance allows.
 
     python benchmarks/bench_spec.py --preset bench --backend cuda --git-sha SHA \
         [--out F] [--steps 512] [--context 512] [--alphas 0.5,0.7,0.9,1.0] [--ks 1,3,5,7] [--reps 10]
-        [--profile ACCEPT.json]
+        [--profile ACCEPT.json] [--trim N]
 
 Greedy only. After a --context-token prompt: the plain greedy tape and plain tokens/s (a
 PlainSession's burst, one step ahead of the host, timed by wall clock as the spec points are; its
@@ -11,7 +11,8 @@ tokens must be the tape; `ms_per_step` beside it is one synchronous step); for e
 the verify time of K+1 rows (median of --reps walks, each rewound) and the real per-round draft
 cost of native-mtp (when the preset has an MTP block) and of a dflash2 fixture drafter built for
 the preset (median propose() time over a real session of --steps tokens), native-mtp's lm head
-alone (one row, the part of each draft step an FR-Spec trim cuts), and per source one propose()
+alone (one row, the part of each draft step an FR-Spec trim cuts; with --trim N also native-mtp
+with its draft head trimmed to N token ids, costed as a source of its own), and per source one propose()
 at its largest K under the kernel profiler (GPU kernel time against the call's span: what the
 host holds up). Then for each (alpha, K)
 a session drafted by `TapeSource` (the tape's next K tokens, each corrupted with
@@ -163,10 +164,12 @@ def draft_costs(model, prompt, tape: list[int], args) -> tuple[dict, dict, dict,
     the reason for each None source; native-mtp's lm head ms per draft step; and per source the
     kernel profile of one propose at its largest K (None without a profiler)."""
     costs, reasons, heads, profiles = {}, {}, {}, {}
+    sources = [(name, source, None) for name, source in DRAFT_SOURCES.items()]
+    if args.trim:  # ranks 0..trim-1: on the preset's random weights any trim ids draft alike
+        sources.append((f"native-mtp (d2t {args.trim})", NativeMtpSource, {"d2t": np.arange(args.trim)}))
     with tempfile.TemporaryDirectory() as tmp:
-        for name, source in DRAFT_SOURCES.items():
+        for name, source, options in sources:
             try:
-                options = None
                 if name == "dflash2":
                     options = {"path": write_fixture_drafter(tmp, preset(args.preset), seed=args.seed)}
                 drafter = source().load(model, options)
@@ -183,7 +186,7 @@ def draft_costs(model, prompt, tape: list[int], args) -> tuple[dict, dict, dict,
                 costs[name][str(k)] = float(np.median(timed.ms)) if timed.ms else None
                 if k == deepest:
                     profiles[name] = _profile_summary(timed.profile, k)
-            if name == "native-mtp":
+            if name.startswith("native-mtp"):
                 heads[name] = head_ms(model, drafter)
     return costs, reasons, heads, profiles
 
@@ -282,6 +285,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", type=lambda s: [int(k) for k in s.split(",")], default=[1, 3, 5, 7],
                     help=f"drafts per round, each in 1..{MAX_K}")
     ap.add_argument("--reps", type=int, default=10, help="timed verify walks per K")
+    ap.add_argument("--trim", type=int, default=0,
+                    help="also cost native-mtp with an FR-Spec trim of its draft head to this many token ids")
     ap.add_argument("--profile", help="a bench_accept JSON record: also run each of its greedy (source, K) "
                     "acceptance profiles, costed with that source's own draft cost")
     args = ap.parse_args(argv)
@@ -308,6 +313,7 @@ def main(argv=None) -> int:
                          plain["tokens_per_s"], args)
         spec.append(measured | {"profile": source})
     config = model_config(args, model, alphas=args.alphas, ks=args.ks, reps=args.reps, profile=args.profile,
+                          trim=args.trim,
                           dflash2_drafter="write_fixture_drafter defaults (2 layers, block 8) for the preset")
     record = record_header("bench_spec", args.git_sha, config, model.be) | {
         "plain": plain, "verify_ms": {str(k): v for k, v in verify.items()}, "draft_ms": costs,

@@ -49,6 +49,18 @@ def test_bench_spec_prints_one_json_line_and_full_acceptance_accepts_every_draft
             assert p["mean_accepted_per_round"] < p["k"]
 
 
+def test_trim_costs_native_mtp_with_its_draft_head_trimmed_as_a_source_of_its_own(capsys):
+    """--trim N: native-mtp again with an N-row FR-Spec head: its propose times, its head alone
+    and a column in every point (small's heads are too small for their times to order)."""
+    assert bench_spec.main(ARGS[:-6] + ["--ks", "3", "--alphas", "1.0", "--reps", "2", "--trim", "64"]) == 0
+    record = json.loads(capsys.readouterr().out.strip())
+    trimmed = "native-mtp (d2t 64)"
+    assert record["config"]["trim"] == 64 and record["draft_ms"][trimmed]["3"] > 0
+    heads = record["draft_head_ms_per_step"]
+    assert heads[trimmed] > 0 and heads["native-mtp"] > 0
+    assert set(record["spec"][0]["with_draft_cost"]) == {"native-mtp", "dflash2", trimmed}
+
+
 def test_one_propose_per_source_runs_under_the_kernel_profiler_untimed(capsys, monkeypatch):
     """numpy launches no kernels (no profiler: the profile is None, test above); a profiler
     stand-in shows the profiled call still hands its proposal to the session (the tape check

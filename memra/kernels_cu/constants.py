@@ -48,8 +48,10 @@ KDA_CONV_LANES = 32  # short_conv: channels a block, a lane each, the walk's row
 KDA_CHUNK = 16          # rows per chunk: the in-chunk solve is KDA_CHUNK x KDA_CHUNK
 KDA_CHUNK_MAX_DK = 128  # key dim of the chunked scan: a scan block's warps hold 32 keys each
 
-# mla.cu
+# kpool.cu
 KPOOL_POOLS = 8     # pools per kpool_scores block: a thread a (pool, head) dot, 32 heads x 8 = 256
+
+# mla.cu
 MIX_CHANNELS = 128  # latent channels per mla_mix block (four per lane)
 MIX_SPLIT = 64      # list entries per mla_mix partial: a split size, never a count
 MIX_STEP = 16       # list entries per mla_mix shared-memory step; a split is a multiple

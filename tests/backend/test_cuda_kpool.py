@@ -90,7 +90,7 @@ def test_kpool_scores_writes_the_serial_loops_bytes(hi, di, pos0, t):
     full and partial blocks of KPOOL_POOLS; pools past a row's n stay unwritten."""
     nmax = (pos0 + t) // POOL + 9
     q, w, pool_keys, scale = _score_inputs(hi, di, nmax, t)
-    got = _scores(runtime.module("mla"), q, w, pool_keys, pos0, nmax, scale)
+    got = _scores(runtime.module("kpool"), q, w, pool_keys, pos0, nmax, scale)
     want = _serial(q, w, pool_keys, pos0, nmax, scale)
     for r in range(t):
         n = (pos0 + r + 1) // POOL
@@ -99,7 +99,7 @@ def test_kpool_scores_writes_the_serial_loops_bytes(hi, di, pos0, t):
 
 
 def test_red_arm_kpool_scores_adding_the_heads_backwards_is_caught():
-    src = runtime.kernel_dir().joinpath("mla.cu").read_text()
+    src = runtime.kernel_dir().joinpath("kpool.cu").read_text()
     backwards = src.replace("for (int h = 0; h < Hi; ++h) acc += terms[threadIdx.x * Hi + h];",
                             "for (int h = Hi - 1; h >= 0; --h) acc += terms[threadIdx.x * Hi + h];")
     assert backwards != src
@@ -144,11 +144,11 @@ def test_kpool_select_keeps_numpys_top_set_in_pool_order(pos0, t, draw):
     nmax = (pos0 + t) // POOL + 5
     scores = _tied_scores(rng, t, nmax) if draw == "ties" else normal(rng, (t, nmax))
     width = (BUDGET + 1) * POOL - 1
-    assert np.array_equal(_select(runtime.module("mla"), scores, pos0, width), _want(scores, pos0, width))
+    assert np.array_equal(_select(runtime.module("kpool"), scores, pos0, width), _want(scores, pos0, width))
 
 
 def test_red_arm_kpool_select_breaking_ties_to_the_higher_pool_is_caught():
-    src = runtime.kernel_dir().joinpath("mla.cu").read_text()
+    src = runtime.kernel_dir().joinpath("kpool.cu").read_text()
     higher = src.replace("(0xFFFFFFFFu - (unsigned int)j)", "((unsigned int)j)")
     assert higher != src
     scores = _tied_scores(np.random.default_rng(1), 2, 300)

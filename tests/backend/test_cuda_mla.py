@@ -1,4 +1,4 @@
-"""The MLA family on the GPU (MlaOps, backend/cuda/mla.py -> kernels_cu/mla.cu): the DSA kpool
+"""The MLA family on the GPU (MlaOps, backend/cuda/mla.py -> kernels_cu/kpool.cu and mla.cu): the DSA kpool
 indexer (pool-key compression, finalize, pool selection) and absorbed latent attention.
 
 The table runs through the shared gates of tests/backend/harness.py on a 64-position plane with

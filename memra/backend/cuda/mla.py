@@ -1,4 +1,5 @@
-"""The MLA family of the CUDA backend (kernels_cu/mla.cu): the DSA kpool indexer and absorbed attention.
+"""The MLA family of the CUDA backend: the DSA kpool indexer (kernels_cu/kpool.cu) and absorbed
+attention (kernels_cu/mla.cu).
 
 Mixin of CudaBackend with NumpyBackend's names, signatures and meaning, on cupy arrays:
 
@@ -65,7 +66,7 @@ class MlaOps:
         assert ape.shape == (pool, di), f"ape {ape.shape} != {(pool, di)}"
         out = cp.empty((npool, di), cp.float32)
         if npool * di:
-            launch("mla", "kpool_compress", (blocks_of(npool * di),), (BLOCK,),
+            launch("kpool", "kpool_compress", (blocks_of(npool * di),), (BLOCK,),
                    (keys, gates, ape, out, i32(npool), i32(pool), i32(di)))
         return out
 
@@ -78,7 +79,7 @@ class MlaOps:
         assert keys.shape == gates.shape and keys.shape[1] == di, f"keys {keys.shape}, gates {gates.shape}"
         assert pool_keys.shape == (keys.shape[0] // pool + 1, di), f"pool_keys {pool_keys.shape}"
         if t:
-            launch("mla", "kpool_finalize", (blocks_of((t // pool + 1) * di),), (BLOCK,),
+            launch("kpool", "kpool_finalize", (blocks_of((t // pool + 1) * di),), (BLOCK,),
                    (keys, gates, ape, pool_keys, position(at), i32(t), i32(pool), i32(di)))
 
     def kpool_select(self, q, w, pool_keys, pos0, pool: int, budget: int, width: int,
@@ -107,11 +108,11 @@ class MlaOps:
         else:
             scores = cp.empty((t, max(nmax, 1)), cp.float32)
             staged = 4 * (hi * (di + 1) + KPOOL_POOLS * hi)  # the row's q, padded, and the pools' terms
-            _opt_in(kernel("mla", "kpool_scores"), staged)
-            launch("mla", "kpool_scores", (blocks_of(max(nmax, 1), KPOOL_POOLS), t), (BLOCK,),
+            _opt_in(kernel("kpool", "kpool_scores"), staged)
+            launch("kpool", "kpool_scores", (blocks_of(max(nmax, 1), KPOOL_POOLS), t), (BLOCK,),
                    (q, w, pool_keys, scores, at, i32(pool), i32(budget), i32(hi), i32(di),
                     i32(max(nmax, 1)), f32(scale)), shared_mem=staged)
-        launch("mla", "kpool_select", (t,), (BLOCK,),
+        launch("kpool", "kpool_select", (t,), (BLOCK,),
                (scores, out, at, i32(pool), i32(budget), i32(width), i32(max(nmax, 1))))
         return out
 

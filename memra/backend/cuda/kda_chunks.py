@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import cupy as cp
 
-from memra.backend.cuda.runtime import BLOCK, check, i32, kernel, launch
+from memra.backend.cuda.runtime import BLOCK, check, i32, kernel, launch, opt_in
 from memra.kernels_cu.constants import KDA_CHUNK, KDA_CHUNK_MAX_DK
 
 SCRATCH_BYTES = 1 << 28  # the pieces one span of chunks may hold (a 4096-row bench prompt: 3 spans)
@@ -50,7 +50,7 @@ def prime_kda(q, k, v, g, beta, state):
     u0 = cp.empty((span, hk, KDA_CHUNK, dv), cp.float32)
     qm = cp.empty((span, hk, KDA_CHUNK, KDA_CHUNK), cp.float32)
     decay = cp.empty((span, hk, dk), cp.float32)
-    kernel("kda_chunks", "kda_chunk_scan").max_dynamic_shared_size_bytes = SCAN_SHARED
+    opt_in(kernel("kda_chunks", "kda_chunk_scan"), SCAN_SHARED)
     for c0 in range(0, chunks, span):
         nc, row0 = min(span, chunks - c0), c0 * KDA_CHUNK
         launch("kda_chunks", "kda_chunk_prep", (nc, hk), (BLOCK,),

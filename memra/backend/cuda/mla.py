@@ -14,10 +14,8 @@ from __future__ import annotations
 import cupy as cp
 
 from memra.backend.cuda.prime import is_prime, prime_attend, prime_pool_scores
-from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, kernel, launch, position
+from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, kernel, launch, opt_in, position
 from memra.kernels_cu.constants import KPOOL_POOLS, MIX_CHANNELS, MIX_SPLIT, MIX_STEP
-
-SHARED_BYTES = 48 * 1024  # a launch's dynamic shared memory without opting in to more
 
 # mla_scores' register tiles (heads, positions a thread), by list length: a walk takes the wide
 # tile when its grid has SCORE_BLOCKS blocks, else the narrow one. Graph-timed at H 64, R 512,
@@ -40,17 +38,6 @@ def score_tile(t: int, width: int, heads: int, long_lists: bool) -> tuple[int, i
     wide, narrow = SCORE_TILES[bool(long_lists)]
     th, tp = wide
     return wide if t * blocks_of(width, 16 * tp) * blocks_of(heads, 16 * th) >= SCORE_BLOCKS else narrow
-
-
-def _opt_in(k, staged: int) -> None:
-    """Lets kernel k launch with `staged` bytes of dynamic shared memory: past SHARED_BYTES it
-    opts in, up to what the device allows a block. The limit is only ever raised, so a captured
-    launch stays valid whatever another model's shapes set later."""
-    if staged <= SHARED_BYTES or staged <= k.max_dynamic_shared_size_bytes:
-        return
-    most = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
-    assert staged <= most, f"{k.name}: {staged} bytes of shared memory, a block may have {most}"
-    k.max_dynamic_shared_size_bytes = staged
 
 
 class MlaOps:
@@ -108,7 +95,7 @@ class MlaOps:
         else:
             scores = cp.empty((t, max(nmax, 1)), cp.float32)
             staged = 4 * (hi * (di + 1) + KPOOL_POOLS * hi)  # the row's q, padded, and the pools' terms
-            _opt_in(kernel("kpool", "kpool_scores"), staged)
+            opt_in(kernel("kpool", "kpool_scores"), staged)
             launch("kpool", "kpool_scores", (blocks_of(max(nmax, 1), KPOOL_POOLS), t), (BLOCK,),
                    (q, w, pool_keys, scores, at, i32(pool), i32(budget), i32(hi), i32(di),
                     i32(max(nmax, 1)), f32(scale)), shared_mem=staged)

@@ -55,6 +55,20 @@ def kernel(family: str, name: str):
     return module(family).get_function(name)
 
 
+SHARED_BYTES = 48 * 1024  # a launch's dynamic shared memory without opting in to more
+
+
+def opt_in(k, staged: int) -> None:
+    """Lets kernel k launch with `staged` bytes of dynamic shared memory: past SHARED_BYTES it
+    opts in, up to what the device allows a block. The limit is only ever raised, so a captured
+    launch stays valid whatever another caller's shapes set later."""
+    if staged <= SHARED_BYTES or staged <= k.max_dynamic_shared_size_bytes:
+        return
+    most = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    assert staged <= most, f"{k.name}: {staged} bytes of shared memory, a block may have {most}"
+    k.max_dynamic_shared_size_bytes = staged
+
+
 def launch(family: str, name: str, grid, block, args, shared_mem: int = 0) -> None:
     launch_kernel(kernel(family, name), grid, block, args, shared_mem, dependent=_dependent)
 

@@ -100,9 +100,8 @@ def test_memra_serve_reaches_the_server_and_refuses_a_bad_flag_in_one_line():
     assert help_.returncode == 0 and "--max-sessions" in help_.stdout and "--burst-tokens" in help_.stdout
 
 
-def test_the_bound_socket_takes_a_connection_before_the_server_runs():
-    """serve prints its "listening on" line between binding and uvicorn's start: a client that
-    connects on the line is queued, not refused (a refused connect failed a SIGTERM test once)."""
+def _connect_to_a_bound_socket() -> None:
+    """Connect to bind_socket's socket before any server runs on it (raises if refused)."""
     import socket
 
     from memra.serve.cli import bind_socket
@@ -113,6 +112,20 @@ def test_the_bound_socket_takes_a_connection_before_the_server_runs():
             pass
     finally:
         sock.close()
+
+
+def test_the_bound_socket_takes_a_connection_before_the_server_runs():
+    """serve prints its "listening on" line between binding and uvicorn's start: a client that
+    connects on the line is queued, not refused (a refused connect failed a SIGTERM test once)."""
+    _connect_to_a_bound_socket()
+
+
+def test_red_arm_a_bound_socket_that_does_not_listen_refuses_the_connection(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(socket.socket, "listen", lambda self, *backlog: None)
+    with pytest.raises(ConnectionRefusedError):
+        _connect_to_a_bound_socket()
 
 
 def test_a_missing_checkpoint_is_refused_before_anything_listens(tmp_path):

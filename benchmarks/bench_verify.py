@@ -7,8 +7,9 @@ After a --context-token prime, for each t in --rows: the time of model.verify_gr
 (the anchor and its greedy continuation: the rows a fully accepted round verifies; each row's
 argmax taken on the device, as the decode step it is compared with takes its own), beside it
 model.verify_rows (the same walk with its [t, V] logits copied to the host), and apart from
-them the time of model.rollback at keep=1 (every draft rejected) and at keep=t-1 (all but the
-last: the longest KDA replay); then the walk is undone from its checkpoint (model.rewind), so
+them the time of model.rollback at keep=1 (every draft rejected), at the keep whose KDA replay
+walks the most rows (from the walk's last state mark: keep 7 of 15) and at keep=t-1 (all but
+the last); then the walk is undone from its checkpoint (model.rewind), so
 every repetition starts from the same cache. Also: the ratio to a plain
 decode step timed in the same run, the weight bytes the walk reads (trunk arrays once, the
 distinct routed experts its rows picked, recorded in an untimed walk; exact on bench-dense too),
@@ -32,6 +33,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.kernel_profile import kernel_profile, profile_lines  # noqa: E402
 from benchmarks.walk_bytes import state_bytes, weight_bytes  # noqa: E402
+from memra.kernels_cu.constants import KDA_MARK_ROWS  # noqa: E402
 from memra.limits import VERIFY_CAP  # noqa: E402
 
 PROFILED_WALKS = 4  # walks of each row count run again under the kernel profiler, each rewound
@@ -48,6 +50,11 @@ def greedy_tape(model, cache, anchor: int, n: int) -> list[int]:
     return tape
 
 
+def longest_replay(t: int) -> int:
+    """The keep (1..t-1) whose rollback replays the most KDA rows: the rows past its last mark."""
+    return max(range(1, max(t, 2)), key=lambda keep: (keep % KDA_MARK_ROWS, keep))
+
+
 def walk(model, cache, tokens: list[int], reps: int, roof: float | None) -> dict:
     graphs, cache.walks.enabled = cache.walks.enabled, False  # counted eagerly: routed_experts reads the experts back per layer
     with routed_experts(model.be) as picked, counted_launches() as launches:
@@ -57,6 +64,8 @@ def walk(model, cache, tokens: list[int], reps: int, roof: float | None) -> dict
     verify, rollback = verify_times(model, cache, tokens, reps)
     with_logits, _ = verify_times(model, cache, tokens, reps, host_logits=True)
     _, rollback_last = verify_times(model, cache, tokens, reps, keep=max(len(tokens) - 1, 1))
+    longest = longest_replay(len(tokens))
+    _, rollback_longest = verify_times(model, cache, tokens, reps, keep=longest)
     profile = None if not launches else kernel_profile(
         lambda: verify_times(model, cache, tokens, PROFILED_WALKS), PROFILED_WALKS, list(launches))
     t, ms = len(tokens), float(np.median(verify))
@@ -65,7 +74,9 @@ def walk(model, cache, tokens: list[int], reps: int, roof: float | None) -> dict
     return {
         "rows": t, "verify_ms": ms, "verify_rows_ms": float(np.median(with_logits)),
         "rollback_keep1_ms": float(np.median(rollback)),
-        "rollback_keep_last_ms": float(np.median(rollback_last)),  # t - 1 rows kept: the longest replay
+        "rollback_keep_last_ms": float(np.median(rollback_last)),  # t - 1 rows kept
+        "rollback_longest_keep": longest,
+        "rollback_longest_ms": float(np.median(rollback_longest)),  # the keep that replays the most rows
         "weight_bytes": weights["total"], "weight_bytes_by_part": weights,
         "distinct_experts_per_moe_layer": picked,
         "bandwidth_fraction": bandwidth_fraction(weights["total"], ms, roof),
@@ -84,7 +95,7 @@ def card(record: dict) -> list[str]:
         frac = w["bandwidth_fraction"]
         lines.append(f"  t={w['rows']:<2} verify {w['verify_ms']:8.3f} ms  x{w['ratio_to_decode']:5.2f} decode  "
                      f"(logits to the host {w['verify_rows_ms']:8.3f} ms)  "
-                     f"rollback {w['rollback_keep1_ms']:7.3f} / {w['rollback_keep_last_ms']:7.3f} ms (keep 1 / t-1)  weights {w['weight_bytes'] / 1e9:6.2f} GB"
+                     f"rollback {w['rollback_keep1_ms']:7.3f} / {w['rollback_longest_ms']:7.3f} / {w['rollback_keep_last_ms']:7.3f} ms (keep 1 / {w['rollback_longest_keep']} / t-1)  weights {w['weight_bytes'] / 1e9:6.2f} GB"
                      + (f"  {100 * frac:5.1f}% of copy bw" if frac is not None else ""))
     widest = max(record["verify"].values(), key=lambda w: w["rows"])
     return lines + profile_lines(widest.get("kernel_profile"), f"a {widest['rows']}-row walk with its rollback")

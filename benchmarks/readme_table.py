@@ -143,6 +143,10 @@ def verify(path: str, r: dict) -> list[str]:
     if all("verify_rows_ms" in w for w in walks):  # records before it timed the walk with the host copy only
         out.append("| with the [t, V] logits copied to the host / decode step | "
                    + " | ".join(f"{w['verify_rows_ms'] / r['decode_ms']:.2f}" for w in walks) + " |")
+    if all("rollback_longest_ms" in w for w in walks):  # records before the state marks have no longest keep
+        out.append("| rollback, ms: keep 1 / the longest replay / t - 1 | " + " | ".join(
+            f"{w['rollback_keep1_ms']:.3f} / {w['rollback_longest_ms']:.3f} ({w['rollback_longest_keep']}) / "
+            f"{w['rollback_keep_last_ms']:.3f}" for w in walks) + " |")
     widest = max(walks, key=lambda w: w["rows"])  # older records have no profile
     return out + _profile(widest.get("kernel_profile"), f"a {widest['rows']}-row walk with its rollback")
 

@@ -15,9 +15,10 @@ The estimate is simple on purpose, and this is all of it:
   layer with its own indexer, its key and gate rows (2 x index_head_dim) and one pool key per
   index_kpool positions; the MTP block's plane likewise when the model has one (the native
   drafter allocates it). Fixed: every KDA layer's conv ring ((K-1) x 3C), VERIFY_CAP + 1 times
-  (the live one and the ring before each row of a verify walk), its state (Hk x dk x dk) twice
-  (the live one and the one a verify walk found) and a verify walk's recorded rows (VERIFY_CAP x
-  Hk x kda_record_width): the rollback and rewind buffers, made at the first verify walk; and one
+  (the live one and the ring before each row of a verify walk), its state (Hk x dk x dk)
+  1 + kda_mark_count(VERIFY_CAP) times (the live one and the ones a verify walk keeps every
+  KDA_MARK_ROWS rows) and a verify walk's recorded rows (VERIFY_CAP x Hk x kda_record_width):
+  the rollback and rewind buffers, made at the first verify walk; and one
   verify walk's attention buffers (VERIFY_CAP rows x heads x index_width, scores and positions).
   Checked against the backend's free memory (`be.free_bytes()` where the backend offers it, else
   the host's available memory).
@@ -37,7 +38,7 @@ import math
 import os
 import re
 
-from memra.backend.numpy_kda import kda_record_width
+from memra.backend.numpy_kda import kda_mark_count, kda_record_width
 from memra.checkpoint_fp8 import SCALE_SUFFIX
 from memra.errors import CheckpointError, InputError
 from memra.limits import ATTEND_BYTES, ATTEND_ROWS, MOE_ROWS, PRIME_CHUNK, VERIFY_CAP
@@ -222,7 +223,8 @@ def cache_parts(cfg, layers, mtp: bool) -> tuple[float, int]:
     hk, dk = cfg.linear_num_heads, cfg.linear_head_dim
     ring = (cfg.linear_conv_kernel_dim - 1) * 3 * cfg.linear_dim
     record = VERIFY_CAP * hk * kda_record_width(dk, dk)
-    return per_pos, n_kda * (ring * (VERIFY_CAP + 1) + 2 * hk * dk * dk + record)  # live, and a walk's rollback buffers
+    states = 1 + kda_mark_count(VERIFY_CAP)  # live, and a walk's marks
+    return per_pos, n_kda * (ring * (VERIFY_CAP + 1) + states * hk * dk * dk + record)
 
 
 def walk_buffer_bytes(cfg) -> int:

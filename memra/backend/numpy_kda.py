@@ -3,15 +3,16 @@ decay gate, and the delta-rule recurrence with its state (research/kda.md). A mi
 NumpyBackend (numpy_ref.py), whose silu and sigmoid it uses; the CUDA twins are in
 backend/cuda/kda.py. The stateful ops walk the rows in order and advance the ring / state in
 place, so a t-row call is t one-row calls. For a verify walk's rollback or rewind, short_conv
-leaves the ring before each row (`rows`) and kda_recurrence the state it found and each row's
-inputs (`found`, `record`), which kda_replay walks again up to the rows kept.
+leaves the ring before each row (`rows`) and kda_recurrence its state every KDA_MARK_ROWS rows
+and each row's inputs (`marks`, `record`), which kda_replay walks again from the last mark up to
+the rows kept.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from memra.kernels_cu.constants import KDA_CHUNK
+from memra.kernels_cu.constants import KDA_CHUNK, KDA_MARK_ROWS
 
 F32 = np.float32
 
@@ -19,6 +20,12 @@ F32 = np.float32
 def kda_record_width(dk: int, dv: int) -> int:
     """Floats of one (row, head) of a recorded walk: its k, g (before exp), v and beta, in that order."""
     return 2 * dk + dv + 1
+
+
+def kda_mark_count(rows: int) -> int:
+    """States a recorded walk of up to `rows` rows keeps: after 0, M, 2M, ... rows (M = KDA_MARK_ROWS)
+    while rows remain after them (a rollback keeps fewer rows than the walk had)."""
+    return (max(rows, 1) - 1) // KDA_MARK_ROWS + 1
 
 
 class NumpyKdaOps:
@@ -54,17 +61,18 @@ class NumpyKdaOps:
         soft = np.where(z > 20, z, np.log1p(np.exp(np.minimum(z, 20))))
         return (-rate * soft).astype(F32)
 
-    def kda_recurrence(self, q, k, v, g, beta, state: np.ndarray, found=None, record=None) -> np.ndarray:
+    def kda_recurrence(self, q, k, v, g, beta, state: np.ndarray, marks=None, record=None) -> np.ndarray:
         """Delta rule, rows in order, state [Hk, dk, dv] advanced in place; returns o [t, Hk, dv].
-        A verify walk (found and record, or neither) also leaves the state it found in found
-        [Hk, dk, dv] and each row's k | g | v | beta in record [>= t, Hk, kda_record_width]
-        (rows past t untouched): what kda_replay needs for a rollback.
+        A verify walk (marks and record, or neither) also leaves its state after m KDA_MARK_ROWS
+        rows in marks[m] [>= kda_mark_count(t), Hk, dk, dv] (marks[0]: the state it found) and
+        each row's k | g | v | beta in record [>= t, Hk, kda_record_width] (rows past t, and
+        marks past kda_mark_count(t), untouched): what kda_replay needs for a rollback.
 
         S <- S * exp(g)[:, None]; S += k (x) beta (v - S^T k); o = S^T q.
         """
         t, hk, dk = q.shape
-        if found is not None:
-            found[...] = state
+        if marks is not None:
+            marks[0] = state
             record[:t] = np.concatenate((k, g, v, beta[..., None]), axis=2)
         out = np.empty((t, hk, v.shape[2]), F32)
         for r in range(t):
@@ -74,17 +82,21 @@ class NumpyKdaOps:
                 s = s + np.outer(k[r, h], delta)
                 state[h] = s
                 out[r, h] = q[r, h] @ s
+            if marks is not None and (r + 1) % KDA_MARK_ROWS == 0 and r + 1 < t:
+                marks[(r + 1) // KDA_MARK_ROWS] = state
         return out
 
-    def kda_replay(self, record, found, state: np.ndarray, keep: int) -> None:
-        """Layers side by side (found, state [n, Hk, dk, dv]; record [n, >= keep, Hk, width]):
-        state[j] = found[j] walked again through record[j]'s first `keep` rows, the state the
-        recorded walk left after them, bit for bit (keep = 0: found itself)."""
-        dk, dv = found.shape[2], found.shape[3]
-        for j in range(found.shape[0]):
-            rows = np.ascontiguousarray(record[j, :keep])
+    def kda_replay(self, record, marks, state: np.ndarray, keep: int) -> None:
+        """Layers side by side (marks [n, >= 1 + keep // M, Hk, dk, dv], M = KDA_MARK_ROWS; state
+        [n, Hk, dk, dv]; record [n, >= keep, Hk, width]): state[j] = layer j's last mark at or
+        before `keep` rows walked again through the recorded rows from there to `keep`, the state
+        the recorded walk left after them, bit for bit (fewer than M rows walked)."""
+        dk, dv = marks.shape[3], marks.shape[4]
+        first = keep // KDA_MARK_ROWS * KDA_MARK_ROWS
+        for j in range(marks.shape[0]):
+            rows = np.ascontiguousarray(record[j, first:keep])
             k, g, v = rows[..., :dk], rows[..., dk:2 * dk], rows[..., 2 * dk:2 * dk + dv]
-            s = found[j].copy()
+            s = marks[j, keep // KDA_MARK_ROWS].copy()
             self.kda_recurrence(k, k, v, g, rows[..., 2 * dk + dv], s)
             state[j] = s
 

@@ -58,6 +58,9 @@
 #ifndef KDA_COLS
 #define KDA_COLS 32
 #endif
+#ifndef KDA_MARK_ROWS
+#define KDA_MARK_ROWS 8
+#endif
 #ifndef KDA_CONV_SPAN
 #define KDA_CONV_SPAN 64
 #endif

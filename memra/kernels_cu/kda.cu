@@ -102,13 +102,14 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // dk <= 128 walk's arithmetic exactly as k16 does.
 // The block stages STAGE rows' q, k, exp(g), v and beta in shared memory at a time: exp(g) is
 // taken once per key, not once per state entry, and a row's compute waits on no global load.
-// A verify walk records what its rollback needs (found, rec non-null): S as the walk found it at
-// found [Hk, dk, dv], and each row's k, g (before exp), v and beta at rec [t, Hk, rw], a (row,
-// head) laid out k | g | v | beta (rw = 2 dk + dv + 1). kda_replay walks the first keep rows
-// again from found with the same staging and per-row arithmetic, q and o left out (S never reads
-// them), so it leaves S bit for bit as the walk did after those rows: a rollback costs one launch
-// for every layer of a part, and the walk writes one state, not one a row.
-// The found and the final states leave the threads' slots through shared memory (Slab), so each
+// A verify walk records what its rollback needs (marks, rec non-null): S after m KDA_MARK_ROWS rows
+// at marks + m Hk dk dv while rows follow (m = 0: S as the walk found it), and each row's k, g
+// (before exp), v and beta at rec [t, Hk, rw], a (row, head) laid out k | g | v | beta (rw = 2 dk
+// + dv + 1). kda_replay walks the rows from the last mark up to keep again with the same staging
+// and per-row arithmetic, q and o left out (S never reads them), so it leaves S bit for bit as
+// the walk did after those rows: a rollback costs one launch for every layer of a part, walks
+// fewer than KDA_MARK_ROWS rows, and the walk writes a state every KDA_MARK_ROWS rows, not one a row.
+// The marks and the final states leave the threads' slots through shared memory (Slab), so each
 // warp store is whole 128-byte key rows; a warp's slots are 4 columns x 8 key lanes, 16 bytes in
 // each of 8 rows, and the state's one load keeps that pattern: loading through the slab too waits
 // on every row before the first is used (graph-timed at H 64 x 128, the same bits: storing through
@@ -170,15 +171,20 @@ struct KdaRowsIn {
     int kw, vw, bw;
 };
 
-// REPLAY: S from `from` through the rows, stored to state; no q, no out, nothing recorded.
-template <int KPT, int STAGE, bool REPLAY>
+// PLAIN: a walk (decode step); RECORD: a verify walk, which also writes marks and rec; REPLAY: S
+// from `from` through the rows, stored to state; no q, no out, nothing recorded. Each its own
+// kernel, so a decode step carries none of the recording's code.
+enum class KdaWalk { PLAIN, RECORD, REPLAY };
+
+template <int KPT, int STAGE, KdaWalk MODE>
 static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* state, float* __restrict__ out,
-                                int t, int hk, int dk, int dv, float* __restrict__ found,
+                                int t, int hk, int dk, int dv, float* __restrict__ marks,
                                 float* __restrict__ rec, int rw) {
     // a staged key row: each key lane's KPT keys then 4 pad floats; LANE / 4 odd puts the 8
     // lanes' float4 reads of a row in 8 different groups of 4 banks (no conflicts)
     constexpr int LANE = KPT + 4, ROW = KDA_KEY_LANES * LANE;
     static_assert(KPT % KDA_KEY_BLOCK == 0 && (LANE / 4) % 2 == 1, "float4 reads, conflict-free across the key lanes");
+    constexpr bool REPLAY = MODE == KdaWalk::REPLAY, RECORD = MODE == KdaWalk::RECORD;
     __shared__ __align__(16) float sq[REPLAY ? 1 : STAGE][ROW], sk[STAGE][ROW], se[STAGE][ROW];
     __shared__ float sv[STAGE][KDA_COLS], sb[STAGE];
     __shared__ Slab slab;
@@ -190,7 +196,8 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
 #pragma unroll
     for (int m = 0; m < KPT; ++m)
         s[m] = active && slot_key(m, kq) < dk ? from[at + (long long)slot_key(m, kq) * dv] : 0.0f;
-    if (found != nullptr) store_slab<KPT>(s, slab, found + (long long)h * dk * dv, dk, dv, j0, c, kq);
+    const long long plane = (long long)hk * dk * dv;  // one mark of this layer
+    if constexpr (RECORD) store_slab<KPT>(s, slab, marks + (long long)h * dk * dv, dk, dv, j0, c, kq);
     for (int r0 = 0; r0 < t; r0 += STAGE) {
         const int n = min(STAGE, t - r0);
         __syncthreads();  // the previous stage is read
@@ -202,7 +209,7 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
             if constexpr (!REPLAY) sq[r][slot] = i < dk ? in.q[src] : 0.0f;
             sk[r][slot] = kv;
             se[r][slot] = i < dk ? expf(gv) : 0.0f;
-            if (rec != nullptr && keys && i < dk) {
+            if (RECORD && keys && i < dk) {
                 float* to = rec + ((long long)(r0 + r) * hk + h) * rw;
                 to[i] = kv;
                 to[dk + i] = gv;
@@ -212,12 +219,12 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
             const int r = idx / KDA_COLS, cc = idx % KDA_COLS;
             const float vv = j0 + cc < dv ? in.v[((long long)(r0 + r) * hk + h) * in.vw + j0 + cc] : 0.0f;
             sv[r][cc] = vv;
-            if (rec != nullptr && j0 + cc < dv) rec[((long long)(r0 + r) * hk + h) * rw + 2 * dk + j0 + cc] = vv;
+            if (RECORD && j0 + cc < dv) rec[((long long)(r0 + r) * hk + h) * rw + 2 * dk + j0 + cc] = vv;
         }
         if (threadIdx.x < n) {
             const long long row = (long long)(r0 + threadIdx.x) * hk + h;
             sb[threadIdx.x] = in.beta[row * in.bw];
-            if (rec != nullptr && keys) rec[row * rw + 2 * dk + dv] = sb[threadIdx.x];
+            if (RECORD && keys) rec[row * rw + 2 * dk + dv] = sb[threadIdx.x];
         }
         __syncthreads();
         for (int r = 0; r < n; ++r) {
@@ -256,15 +263,20 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
             if constexpr (!REPLAY) {
                 qs = key_lanes_sum(qs);
                 if (active && kq == 0) out[((long long)(r0 + r) * hk + h) * dv + j] = qs;
+                const int done = r0 + r + 1;  // rows walked: a mark when rows follow
+                if (RECORD && done % KDA_MARK_ROWS == 0 && done < t)
+                    store_slab<KPT>(s, slab, marks + done / KDA_MARK_ROWS * plane + (long long)h * dk * dv, dk, dv,
+                                    j0, c, kq);
             }
         }
     }
     store_slab<KPT>(s, slab, state + (long long)h * dk * dv, dk, dv, j0, c, kq);
 }
 
-// The walk: grid (Hk, ceil(dv / KDA_COLS)), block MEMRA_BLOCK; found, rec null unless recording.
+// The walk: grid (Hk, ceil(dv / KDA_COLS)), block MEMRA_BLOCK; NAME##_record also writes marks and rec.
 // The replay: grid (Hk, ceil(dv / KDA_COLS), layers): layer z's rec at rec + z cap Hk rw (k | g | v
-// | beta), its found and state planes [Hk, dk, dv] side by side. Its blocks outnumber what the GPU
+// | beta), its nmarks marks [nmarks, Hk, dk, dv] at marks + z nmarks Hk dk dv, its state plane
+// [Hk, dk, dv] at state + z Hk dk dv; it walks from mark keep / KDA_MARK_ROWS. Its blocks outnumber what the GPU
 // holds at once (every layer's heads), so REPLAY_BLOCKS of them share an SM: k16's replay fits 4
 // in 64 registers without spilling (bench's 9 layers, graph-timed against 3 an SM in one run,
 // the same bits: keeping 1, 7 and 14 rows 39.7 -> 38.2, 63.4 -> 60.2 and 91.2 -> 85.3 us).
@@ -272,21 +284,31 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
     extern "C" __global__ void NAME(const float* __restrict__ q, const float* __restrict__ k,            \
                                     const float* __restrict__ v, const float* __restrict__ g,            \
                                     const float* __restrict__ beta, float* state,                        \
-                                    float* __restrict__ out, int t, int hk, int dk, int dv,              \
-                                    float* __restrict__ found, float* __restrict__ rec, int rw) {        \
+                                    float* __restrict__ out, int t, int hk, int dk, int dv) {            \
         after_predecessor();                                                                             \
-        kda_rows<KPT, STAGE, false>(KdaRowsIn{q, k, g, v, beta, dk, dv, 1}, state, state, out, t, hk,    \
-                                    dk, dv, found, rec, rw);                                             \
+        kda_rows<KPT, STAGE, KdaWalk::PLAIN>(KdaRowsIn{q, k, g, v, beta, dk, dv, 1}, state, state, out,  \
+                                             t, hk, dk, dv, nullptr, nullptr, 0);                        \
+    }                                                                                                    \
+    extern "C" __global__ void NAME##_record(const float* __restrict__ q, const float* __restrict__ k,   \
+                                             const float* __restrict__ v, const float* __restrict__ g,   \
+                                             const float* __restrict__ beta, float* state,               \
+                                             float* __restrict__ out, int t, int hk, int dk, int dv,     \
+                                             float* __restrict__ marks, float* __restrict__ rec, int rw) { \
+        after_predecessor();                                                                             \
+        kda_rows<KPT, STAGE, KdaWalk::RECORD>(KdaRowsIn{q, k, g, v, beta, dk, dv, 1}, state, state, out, \
+                                              t, hk, dk, dv, marks, rec, rw);                            \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, REPLAY_BLOCKS)                             \
-        NAME##_replay(const float* __restrict__ rec, const float* found, float* state, int keep, int hk, \
-                      int dk, int dv, int rw, int cap) {                                                 \
+        NAME##_replay(const float* __restrict__ rec, const float* marks, float* state, int keep, int hk, \
+                      int dk, int dv, int rw, int cap, int nmarks) {                                     \
         after_predecessor();                                                                             \
-        const float* r = rec + (long long)blockIdx.z * cap * hk * rw;                                    \
-        const long long plane = (long long)blockIdx.z * hk * dk * dv;                                    \
+        const int mark = keep / KDA_MARK_ROWS, first = mark * KDA_MARK_ROWS;                             \
+        const float* r = rec + ((long long)blockIdx.z * cap + first) * hk * rw;                          \
+        const long long plane = (long long)hk * dk * dv;                                                 \
         const KdaRowsIn in{nullptr, r, r + dk, r + 2 * dk, r + 2 * dk + dv, rw, rw, rw};                 \
-        kda_rows<KPT, STAGE, true>(in, found + plane, state + plane, nullptr, keep, hk, dk, dv, nullptr, \
-                                   nullptr, rw);                                                         \
+        kda_rows<KPT, STAGE, KdaWalk::REPLAY>(in, marks + ((long long)blockIdx.z * nmarks + mark) * plane, \
+                                              state + blockIdx.z * plane, nullptr, keep - first, hk, dk, \
+                                              dv, nullptr, nullptr, rw);                                 \
     }
 // dk <= 128 (every KDA checkpoint so far): a verify walk in one stage
 KDA_RECURRENCE(kda_recurrence_k16, 16, VERIFY_CAP, 4)

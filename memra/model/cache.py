@@ -20,29 +20,31 @@ from memra.errors import ResidencyError
 class KdaPart:
     """The KDA layers of one cache part (a whole trunk, or one pipeline stage): their live rings
     and states side by side, and what a verify walk leaves for its rollback: ring_rows[r], every
-    layer's ring before row r of the walk (r < t); found, every layer's state as the walk found
-    it; record, each layer's walked rows (k | g | v | beta, kda_record_width floats a head).
-    A rollback to keep rows copies ring_rows[keep] and walks each state again from found through
-    the first keep recorded rows, all layers in one launch: the same bits the walk left there.
-    Why a replay and not a state a row: a state is the large plane (Hk dk dv floats a layer;
+    layer's ring before row r of the walk (r < t); marks[:, m], every layer's state after m
+    KDA_MARK_ROWS rows of the walk (m = 0: as the walk found it); record, each layer's walked
+    rows (k | g | v | beta, kda_record_width floats a head).
+    A rollback to keep rows copies ring_rows[keep] and walks each state again from its last mark
+    through the recorded rows up to keep, all layers in one launch: the same bits the walk left.
+    Why marks and not a state a row: a state is the large plane (Hk dk dv floats a layer;
     GLM-5-Next's 4 MB on each of its KDA layers), so one a row cost VERIFY_CAP of them in memory
-    and t of them written every verify walk, where the record is 3 dk + 1 floats a row and head."""
+    and t of them written every verify walk, where the record is 3 dk + 1 floats a row and head.
+    Why marks and not the found state alone: the replay walks rows one after another, so its
+    time grows with the rows it walks (bench-dense's 9 layers: 34 us for 1 row, 83 us for 14);
+    a mark every KDA_MARK_ROWS rows bounds that walk to KDA_MARK_ROWS - 1 rows for one more
+    state written by a walk past KDA_MARK_ROWS rows."""
 
     layers: tuple               # trunk layer indices, in slot order
     ring: object                # [n, K-1, 3C]
     state: object               # [n, Hk, dk, dv] float32
     ring_rows: object = None    # [VERIFY_CAP, n, K-1, 3C], made by the first verify walk
-    found: object = None        # [n, Hk, dk, dv]
+    marks: object = None        # [n, kda_mark_count(VERIFY_CAP), Hk, dk, dv]
     record: object = None       # [n, VERIFY_CAP, Hk, kda_record_width(dk, dv)]
 
     def restore(self, keep: int, be) -> None:
         """Every layer back to `keep` rows into the last verify walk (0 <= keep < its t; 0: where
-        the walk found them, a copy of the found states) on backend `be`."""
+        the walk found them) on backend `be`."""
         be.assign(self.ring, self.ring_rows[keep])
-        if keep:
-            be.kda_replay(self.record, self.found, self.state, keep)
-        else:
-            be.assign(self.state, self.found)
+        be.kda_replay(self.record, self.marks, self.state, keep)
 
 
 @dataclass
@@ -53,9 +55,9 @@ class KdaState:
     slot: int = 0  # this layer's index in its part
 
     def snapshots(self) -> tuple:
-        """(ring rows [VERIFY_CAP, K-1, 3C] strided, found [Hk, dk, dv], record [VERIFY_CAP, Hk,
-        width]) of this layer: what its verify walk writes."""
-        return self.part.ring_rows[:, self.slot], self.part.found[self.slot], self.part.record[self.slot]
+        """(ring rows [VERIFY_CAP, K-1, 3C] strided, marks [kda_mark_count(VERIFY_CAP), Hk, dk,
+        dv], record [VERIFY_CAP, Hk, width]) of this layer: what its verify walk writes."""
+        return self.part.ring_rows[:, self.slot], self.part.marks[self.slot], self.part.record[self.slot]
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memra.backend.numpy_kda import kda_record_width  # the record's layout, one home
+from memra.backend.numpy_kda import kda_mark_count, kda_record_width  # the rollback buffers' layout, one home
 from memra.limits import VERIFY_CAP
 from memra.model.cache import KdaPart, KdaState
 
@@ -46,10 +46,10 @@ class KdaMixer:
 
     def new_snapshots(self, part: KdaPart) -> None:
         """The buffers a verify walk writes for its rollback (made once, at the first one)."""
-        if part.found is None:
+        if part.marks is None:
             n, cap, hk, dk = len(part.layers), VERIFY_CAP, self.heads, self.dk
             part.ring_rows = self.be.zeros((cap, n, *self._ring_shape()))
-            part.found = self.be.zeros((n, hk, dk, dk))
+            part.marks = self.be.zeros((n, kda_mark_count(cap), hk, dk, dk))
             part.record = self.be.zeros((n, cap, hk, kda_record_width(dk, dk)))
 
     def _ring_shape(self) -> tuple[int, int]:
@@ -57,12 +57,12 @@ class KdaMixer:
 
     def __call__(self, x, st: KdaState, snapshots: bool = False):
         """Rows x [t, D] -> [t, D], advancing the conv ring and S in place. With `snapshots` (a
-        verify walk), the kernels also write the ring before each row, S as found and each
-        row's recurrence inputs into the layer's rollback buffers (KdaPart)."""
+        verify walk), the kernels also write the ring before each row, S every KDA_MARK_ROWS
+        rows and each row's recurrence inputs into the layer's rollback buffers (KdaPart)."""
         be, t, hk, dk = self.be, x.shape[0], self.heads, self.dk
         c = hk * dk
         raw, f_low, beta_in, gate_low = be.linears(x, (self.qkv, self.f_a, self.b_proj, self.g_a))
-        ring_rows, found, record = st.snapshots() if snapshots else (None, None, None)
+        ring_rows, marks, record = st.snapshots() if snapshots else (None, None, None)
         mixed = be.short_conv(raw, st.ring, self.conv, ring_rows, groups=3)  # [3, t, c]: q, k, v
         q = be.l2norm(mixed[0].reshape(t, hk, dk), 1e-6, scale=dk ** -0.5)
         k = be.l2norm(mixed[1].reshape(t, hk, dk), 1e-6)
@@ -70,7 +70,7 @@ class KdaMixer:
         f = be.linear(f_low, self.f_b).reshape(t, hk, dk)
         g = be.kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound)
         beta = be.sigmoid(beta_in)
-        o = be.kda_recurrence(q, k, v, g, beta, st.state, found, record)
+        o = be.kda_recurrence(q, k, v, g, beta, st.state, marks, record)
         gate = be.linear(gate_low, self.g_b).reshape(t, hk, dk)
         o = be.gated_rmsnorm(o, gate, self.o_norm, self.cfg.rms_norm_eps)
         return be.linear(o.reshape(t, c), self.o_proj)

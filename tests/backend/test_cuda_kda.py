@@ -140,7 +140,7 @@ def _launch_recurrence(name, rows, state, dv):
     out = cp.empty((t, hk, dv), cp.float32)
     launch("kda", name, (hk, blocks_of(dv, KDA_COLS)), (BLOCK,),
            (*(cp.asarray(rows[n]) for n in ("q", "k", "v", "g", "beta")), state, out,
-            i32(t), i32(hk), i32(dk), i32(dv), np.uint64(0), np.uint64(0), i32(0)))
+            i32(t), i32(hk), i32(dk), i32(dv)))
     return cp.asnumpy(out), cp.asnumpy(state)
 
 

@@ -1,21 +1,25 @@
 """What a verify walk's KDA ops leave for its rollback, on both backends. short_conv's `rows`:
 rows[r] of a t-row call is, bit for bit, the ring that the first r rows alone leave (rows[0]: the
 one the call found; rows past t - 1 untouched), written through a strided view (one layer's slot
-of a part's [rows, layers, ...] buffer). kda_recurrence's `found` and `record`: kda_replay of the
-first r recorded rows, every layer of a part in one call, leaves each state bit for bit as the
-first r rows alone do (r = 0: the state found). Red arms: a ring snapshot taken after its row's
-update, and a replay one row short, are caught."""
+of a part's [rows, layers, ...] buffer). kda_recurrence's `marks` and `record`: marks[m] is the
+state the first m KDA_MARK_ROWS rows alone leave (marks[0]: the one found), and kda_replay to r
+recorded rows (from the last mark at or before r), every layer of a part in one call, leaves each
+state bit for bit as the first r rows alone do. Red arms: a ring snapshot taken after its row's
+update, a replay one row short, and a mark taken one row late, are caught."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from memra.backend.numpy_kda import kda_record_width
+from memra.backend.numpy_kda import kda_mark_count, kda_record_width
 from memra.backend.numpy_ref import NumpyBackend
+from memra.kernels_cu.constants import KDA_MARK_ROWS
+from memra.limits import VERIFY_CAP
 from tests.backend.inputs import normal, uniform
 
 HK, C, K, T = 2, 48, 4, 6
+WALK = VERIFY_CAP  # a recorded walk: past KDA_MARK_ROWS rows, so it keeps two marks (longer is a prompt)
 # (dk, dv); dv = 20 or 12: a block of 8 value columns only half full; dk = 256: every slot
 SHAPES = [(32, 32), (40, 20), (256, 12)]
 
@@ -70,51 +74,93 @@ def test_ring_row_r_is_what_the_first_r_rows_leave(backend):
 
 
 def _recorded_walk(be, dev, layers):
-    """Each layer's T-row walk recording into slot j of a part's buffers (a spare recorded row
-    past T, filled with a sentinel). Returns (found, record, states after the walks, outputs)."""
+    """Each layer's WALK-row walk recording into slot j of a part's buffers (a spare mark and a
+    spare recorded row, filled with a sentinel). Returns (marks, record, states after, outputs)."""
     (dk, dv), n = layers[0]["state"].shape[1:], len(layers)
-    found = dev(np.zeros((n, HK, dk, dv), np.float32))
-    record = dev(np.full((n, T + 1, HK, kda_record_width(dk, dv)), -7.0, np.float32))
+    marks = dev(np.full((n, kda_mark_count(WALK) + 1, HK, dk, dv), -7.0, np.float32))
+    record = dev(np.full((n, WALK + 1, HK, kda_record_width(dk, dv)), -7.0, np.float32))
     states, outs = [], []
     for j, a in enumerate(layers):
         state = dev(a["state"].copy())
-        outs.append(be.kda_recurrence(*(dev(a[n]) for n in ("q", "k", "v", "g", "beta")), state, found[j], record[j]))
+        outs.append(be.kda_recurrence(*(dev(a[n]) for n in ("q", "k", "v", "g", "beta")), state, marks[j], record[j]))
         states.append(state)
-    return found, record, states, outs
+    return marks, record, states, outs
 
 
 @pytest.mark.parametrize("dk,dv", SHAPES, ids=[f"dk{dk}_dv{dv}" for dk, dv in SHAPES])
 @pytest.mark.parametrize("backend", _backends())
 def test_replaying_r_recorded_rows_is_what_the_first_r_rows_leave(backend, dk, dv):
     be, dev, host = _backend(backend)
-    layers = [_inputs(T, dk, dv, seed) for seed in (3, 4)]
-    found, record, states, outs = _recorded_walk(be, dev, layers)
+    layers = [_inputs(WALK, dk, dv, seed) for seed in (3, 4)]
+    marks, record, states, outs = _recorded_walk(be, dev, layers)
     for j, a in enumerate(layers):  # recording changes nothing the walk returns or leaves
         plain = dev(a["state"].copy())
         assert np.array_equal(host(outs[j]), host(be.kda_recurrence(*(dev(a[n]) for n in ("q", "k", "v", "g", "beta")), plain)))
         assert np.array_equal(host(states[j]), host(plain))
-        assert np.array_equal(host(found[j]), a["state"])
-    assert np.all(host(record)[:, T:] == -7.0)  # rows past the walk untouched
-    for r in range(T + 1):
-        state = dev(np.full(found.shape, 5.0, np.float32))
-        be.kda_replay(record, found, state, r)
+        for m in range(kda_mark_count(WALK)):
+            want = a["state"] if m == 0 else host(_recurrence(be, dev, a, t=m * KDA_MARK_ROWS))
+            assert np.array_equal(host(marks[j, m]), want), f"layer {j}, mark {m}"
+    assert np.all(host(record)[:, WALK:] == -7.0)  # rows past the walk untouched
+    assert np.all(host(marks)[:, kda_mark_count(WALK):] == -7.0)  # and marks past its last
+    for r in range(WALK + 1):
+        state = dev(np.full(marks[:, 0].shape, 5.0, np.float32))
+        be.kda_replay(record, marks, state, r)
         for j, a in enumerate(layers):
             assert np.array_equal(host(state)[j], host(_recurrence(be, dev, a, t=r))), f"layer {j}, {r} rows"
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_a_walk_keeps_no_mark_it_has_no_rows_after(backend):
+    """A mark at the walk's last row is never replayed from (a rollback keeps fewer rows than the
+    walk had), so a walk of exactly KDA_MARK_ROWS rows writes mark 0 only."""
+    be, dev, host = _backend(backend)
+    a = _inputs(KDA_MARK_ROWS)
+    marks = dev(np.full((2, HK, 32, 32), -7.0, np.float32))
+    record = dev(np.zeros((KDA_MARK_ROWS, HK, kda_record_width(32, 32)), np.float32))
+    be.kda_recurrence(*(dev(a[n]) for n in ("q", "k", "v", "g", "beta")), dev(a["state"].copy()), marks, record)
+    assert kda_mark_count(KDA_MARK_ROWS) == 1
+    assert np.array_equal(host(marks)[0], a["state"]) and np.all(host(marks)[1] == -7.0)
 
 
 class _ShortReplay(NumpyBackend):
     """The mutation: a replay that walks one recorded row too few."""
 
-    def kda_replay(self, record, found, state, keep):
-        super().kda_replay(record, found, state, max(keep - 1, 0))
+    def kda_replay(self, record, marks, state, keep):
+        super().kda_replay(record, marks, state, max(keep - 1, 0))
 
 
 def test_red_arm_a_replay_one_row_short_is_caught():
-    layers = [_inputs(T)]
-    found, record, _, _ = _recorded_walk(NumpyBackend(), np.asarray, layers)
-    state = np.zeros_like(found)
-    _ShortReplay().kda_replay(record, found, state, 3)
+    layers = [_inputs(WALK)]
+    marks, record, _, _ = _recorded_walk(NumpyBackend(), np.asarray, layers)
+    state = np.zeros_like(marks[:, 0])
+    _ShortReplay().kda_replay(record, marks, state, 3)
     assert not np.array_equal(state[0], _recurrence(NumpyBackend(), np.asarray, layers[0], t=3))
+
+
+class _LateMarks(NumpyBackend):
+    """The mutation: each mark past the first taken one row late (after row m M + 1)."""
+
+    def kda_recurrence(self, q, k, v, g, beta, state, marks=None, record=None):
+        if marks is None:
+            return super().kda_recurrence(q, k, v, g, beta, state)
+        out = super().kda_recurrence(q[:1], k[:1], v[:1], g[:1], beta[:1], state, marks, record[:1])
+        record[:q.shape[0]] = np.concatenate((k, g, v, beta[..., None]), axis=2)
+        for r in range(1, q.shape[0]):
+            out = np.concatenate((out, super().kda_recurrence(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1],
+                                                              beta[r:r + 1], state)))
+            if r % KDA_MARK_ROWS == 0 and r + 1 < q.shape[0]:
+                marks[r // KDA_MARK_ROWS] = state
+        return out
+
+
+def test_red_arm_a_mark_taken_one_row_late_is_caught():
+    layers = [_inputs(WALK)]
+    marks, record, _, _ = _recorded_walk(_LateMarks(), np.asarray, layers)
+    state = np.zeros_like(marks[:, 0])
+    NumpyBackend().kda_replay(record, marks, state, KDA_MARK_ROWS + 2)
+    assert not np.array_equal(state[0], _recurrence(NumpyBackend(), np.asarray, layers[0], t=KDA_MARK_ROWS + 2))
+    NumpyBackend().kda_replay(record, marks, state, 3)  # rows before the first late mark: still right
+    assert np.array_equal(state[0], _recurrence(NumpyBackend(), np.asarray, layers[0], t=3))
 
 
 class _LateSnapshots(NumpyBackend):

@@ -16,9 +16,9 @@ import cupy as cp
 from memra.backend.cuda.kda_chunks import kda_shapes, prime_kda
 from memra.backend.cuda.prime import is_prime
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, device_input, f32, grid_1d, i32, launch
-from memra.backend.numpy_kda import kda_record_width
-from memra.kernels_cu.constants import (KDA_CHUNK_MAX_DK, KDA_COLS, KDA_CONV_LANES, KDA_CONV_SPAN, KDA_MAX_CONV,
-                                        KDA_MAX_DK)
+from memra.backend.numpy_kda import kda_mark_count, kda_record_width
+from memra.kernels_cu.constants import (KDA_CHUNK_MAX_DK, KDA_COLS, KDA_CONV_LANES, KDA_CONV_SPAN, KDA_MARK_ROWS,
+                                        KDA_MAX_CONV, KDA_MAX_DK)
 
 
 def _rows(rows, t: int, shape: tuple, what: str):
@@ -69,41 +69,49 @@ class KdaOps:
                     f32(lower_bound if has_lb else 0.0)))
         return out
 
-    def kda_recurrence(self, q, k, v, g, beta, state, found=None, record=None):
+    def kda_recurrence(self, q, k, v, g, beta, state, marks=None, record=None):
         """Delta rule over the rows in order; state [Hk, dk, dv] float32 advances in place;
         returns o [t, Hk, dv]. Parallel over (head, value column), never over rows. A verify
-        walk also writes found and record (NumpyBackend.kda_recurrence; C-contiguous float32).
+        walk also writes marks and record (NumpyBackend.kda_recurrence; C-contiguous float32).
         A prompt (prime class, nothing recorded) takes the chunked scan instead (kda_chunks.py)."""
         q, k, v = device_input(q, "q"), device_input(k, "k"), device_input(v, "v")
         g, beta = device_input(g, "g"), device_input(beta, "beta")
         t, hk, dk, dv = kda_shapes("kda_recurrence", q, k, v, g, beta, state)
         assert dk <= KDA_MAX_DK, f"kda_recurrence: dk={dk}, at most {KDA_MAX_DK} (raise KDA_MAX_DK)"
-        if is_prime(t) and found is None and dk <= KDA_CHUNK_MAX_DK:  # a prompt: the chunked scan
+        if is_prime(t) and marks is None and dk <= KDA_CHUNK_MAX_DK:  # a prompt: the chunked scan
             return prime_kda(q, k, v, g, beta, state)
         out = cp.empty((t, hk, dv), cp.float32)
         width = kda_record_width(dk, dv)
-        assert (found is None) == (record is None), "kda_recurrence: found and record go together"
-        if found is not None:
-            _buffer(found, "found", hk, dk, dv)
+        assert (marks is None) == (record is None), "kda_recurrence: marks and record go together"
+        if marks is not None:
+            _buffer(marks, "marks", None, hk, dk, dv)
             _buffer(record, "record", None, hk, width)
-            assert record.shape[0] >= t, f"record: {record.shape[0]} rows for a walk of {t}"
+            assert marks.shape[0] >= kda_mark_count(t) and record.shape[0] >= t, (
+                f"marks, record: {marks.shape[0]}, {record.shape[0]} rows for a walk of {t}")
         if t:
-            launch("kda", _recurrence(dk), (hk, blocks_of(dv, KDA_COLS)), (BLOCK,),
-                   (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv), found, record, i32(width)))
+            args = (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv))
+            if marks is None:
+                launch("kda", _recurrence(dk), (hk, blocks_of(dv, KDA_COLS)), (BLOCK,), args)
+            else:
+                launch("kda", _recurrence(dk) + "_record", (hk, blocks_of(dv, KDA_COLS)), (BLOCK,),
+                       (*args, marks, record, i32(width)))
         return out
 
-    def kda_replay(self, record, found, state, keep: int) -> None:
-        """state[j] = found[j] walked again through record[j]'s first `keep` rows, every layer j
-        in one launch (NumpyBackend.kda_replay): the walk's own kernel and arithmetic, so its bits."""
+    def kda_replay(self, record, marks, state, keep: int) -> None:
+        """state[j] = layer j's last mark at or before `keep` rows walked again through record[j]
+        up to `keep`, every layer j in one launch (NumpyBackend.kda_replay): the walk's own kernel
+        and arithmetic, so its bits."""
         check(state, cp.float32, "state")
         n, hk, dk, dv = state.shape
         width = kda_record_width(dk, dv)
-        _buffer(found, "found", n, hk, dk, dv)
+        _buffer(marks, "marks", n, None, hk, dk, dv)
         _buffer(record, "record", n, None, hk, width)
-        assert 0 <= keep <= record.shape[1], f"kda_replay: keep={keep} of {record.shape[1]} recorded rows"
+        assert 0 <= keep <= record.shape[1] and keep // KDA_MARK_ROWS < marks.shape[1], (
+            f"kda_replay: keep={keep} of {record.shape[1]} recorded rows, {marks.shape[1]} marks")
         if n:
             launch("kda", _recurrence(dk) + "_replay", (hk, blocks_of(dv, KDA_COLS), n), (BLOCK,),
-                   (record, found, state, i32(keep), i32(hk), i32(dk), i32(dv), i32(width), i32(record.shape[1])))
+                   (record, marks, state, i32(keep), i32(hk), i32(dk), i32(dv), i32(width), i32(record.shape[1]),
+                    i32(marks.shape[1])))
 
 
 def _recurrence(dk: int) -> str:

@@ -92,11 +92,14 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // Delta rule over the t rows in order, per head h:
 //   S <- S * exp(g)[:, None];  S += k (x) beta (v - S^T k);  o = S^T q.
 // q, k, g [t, Hk, dk]; v [t, Hk, dv]; beta [t, Hk]; state [Hk, dk, dv] float32 in place;
-// out [t, Hk, dv]. Grid (Hk, ceil(dv / KDA_COLS)), block MEMRA_BLOCK: thread (column c = tid / 8,
-// key lane kq = tid % 8) holds column j0 + c of S at the keys of its KPT slots: slot m is key
-// 16 (8 (m / 16) + kq) + m % 16 (16-key blocks dealt to the 8 key lanes in turn), so a column is
-// 8 adjacent lanes. Both dk-reductions: each thread over its slots in order, then an xor tree
-// over the column's lanes (offsets 4, 2, 1: the same bits in all eight). A slot past dk holds
+// out [t, Hk, dv]. Grid (Hk, ceil(dv / KDA_COLS)), block MEMRA_BLOCK: thread (column c = lane,
+// key lane kq = warp) holds column j0 + c of S at the keys of its KPT slots: slot m is key
+// 16 (8 (m / 16) + kq) + m % 16 (16-key blocks dealt to the 8 key lanes in turn), so a warp is
+// one key lane of 32 adjacent columns: its loads and stores of S are whole 128-byte key rows, and
+// its reads of a staged row's k and exp(g) are one address for all 32 lanes. Both
+// dk-reductions: each thread over its slots in order, then the column's 8 key-lane partials
+// through shared memory, added as the xor tree over offsets 4, 2, 1 of the 8 lanes that once
+// held a column adds them (key_lanes_sum), so every thread gets the same bits. A slot past dk holds
 // zeros (S, k, exp(g) and q staged as +0), so it adds +0 to both sums, which changes neither (a
 // sum that starts at +0 is never -0): the row loop tests no slot, and kda_recurrence_k32 does a
 // dk <= 128 walk's arithmetic exactly as k16 does.
@@ -109,59 +112,48 @@ extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __
 // and per-row arithmetic, q and o left out (S never reads them), so it leaves S bit for bit as
 // the walk did after those rows: a rollback costs one launch for every layer of a part, walks
 // fewer than KDA_MARK_ROWS rows, and the walk writes a state every KDA_MARK_ROWS rows, not one a row.
-// The marks and the final states leave the threads' slots through shared memory (Slab), so each
-// warp store is whole 128-byte key rows; a warp's slots are 4 columns x 8 key lanes, 16 bytes in
-// each of 8 rows, and the state's one load keeps that pattern: loading through the slab too waits
-// on every row before the first is used (graph-timed at H 64 x 128, the same bits: storing through
-// it takes t = 1 / 8 / 15 from 4.98 / 10.94 / 16.34 to 4.80 / 9.78 / 15.10 us and the replay of 9
-// layers keeping 1 / 7 / 14 rows from 38.3 / 60.0 / 85.5 to 34.1 / 56.4 / 82.7; loading through
-// it as well, 7.19 / 12.09 / 17.36 and 60.1 / 81.3 / 106.5).
+// Why a warp is a key lane (graph-timed at H 64 x 128 against a warp of 4 columns x 8 key lanes
+// whose partials met in an xor tree of shuffles, the same bits): that layout read each staged
+// key's k and exp(g) once for each of a warp's 4 columns, 4x the distinct bytes through the
+// shared-memory pipe every row, and moved S in 16-byte pieces of 8 key rows (stored through a
+// shared slab to make whole rows). Against it, in one run: the step's walk at t = 1 / 8 / 15
+// 4.79 / 9.67 / 14.9 -> 4.28 / 8.50 / 13.1 us, a recording walk of 8 / 15 rows 11.6 / 18.2 ->
+// 9.2 / 14.7, the replay of 9 layers keeping 1 / 7 / 14 rows 34.1 / 54.9 / 50.8 -> 26.7 / 46.9 / 43.0.
 constexpr int KDA_KEY_LANES = MEMRA_BLOCK / KDA_COLS;
-static_assert(KDA_KEY_LANES == 8, "a column's key lanes: 8 adjacent lanes, a 3-level xor tree");
+static_assert(KDA_KEY_LANES == 8, "a column's key lanes: 8 warps, a 3-level tree");
 static_assert(KDA_MAX_DK <= KDA_KEY_LANES * 32, "kda_recurrence_k32 holds 32 keys a thread");
+static_assert(KDA_COLS == 32, "a warp's lanes are a key lane's columns");
 constexpr int KDA_KEY_BLOCK = 16;  // keys dealt to a key lane at a time
-constexpr int KDA_SLAB_KEYS = KDA_KEY_LANES * KDA_KEY_BLOCK;  // keys of one pass through the slab
-static_assert(KDA_COLS == 32 && MEMRA_BLOCK % 32 == 0, "a slab key row is a warp's 32 lanes");
-
-// One pass of KDA_SLAB_KEYS keys: slot block b's 16 slots of key lane kq are keys
-// 128 b + 16 kq .. + 15, held at lane kq's 16 x 32 floats and 4 pad floats, so a warp's writes
-// of its 4 columns x 8 key lanes fall in 32 different banks (and a key row's reads in 32 too).
-struct Slab {
-    static constexpr int LANE = KDA_KEY_BLOCK * KDA_COLS + 4;
-    float f[KDA_KEY_LANES * LANE];
-    __device__ float& at(int kq, int i, int c) { return f[kq * LANE + i * KDA_COLS + c]; }
-    __device__ float& key(int key, int c) { return at(key / KDA_KEY_BLOCK, key % KDA_KEY_BLOCK, c); }
-};
-
-// s (the thread's KPT slots of column c, key lane kq) -> S [dk, dv] at columns j0.., from `sh`
-// by whole key rows. Call with the whole block.
-template <int KPT>
-static __device__ void store_slab(const float (&s)[KPT], Slab& sh, float* dst, int dk, int dv, int j0,
-                                  int c, int kq) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-    for (int b = 0; b < KPT / KDA_KEY_BLOCK; ++b) {
-        __syncthreads();  // the previous pass is read
-#pragma unroll
-        for (int i = 0; i < KDA_KEY_BLOCK; ++i) sh.at(kq, i, c) = s[KDA_KEY_BLOCK * b + i];
-        __syncthreads();
-        for (int key = warp; key < KDA_SLAB_KEYS; key += MEMRA_BLOCK / 32) {
-            const int row = KDA_SLAB_KEYS * b + key;
-            if (row < dk && j0 + lane < dv) dst[(long long)row * dv + j0 + lane] = sh.key(key, lane);
-        }
-    }
-}
 
 // The key of slot m of key lane kq.
 static __device__ __forceinline__ int slot_key(int m, int kq) {
     return KDA_KEY_BLOCK * (KDA_KEY_LANES * (m / KDA_KEY_BLOCK) + kq) + m % KDA_KEY_BLOCK;
 }
 
-static __device__ __forceinline__ float key_lanes_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 4);
-    v += __shfl_xor_sync(0xffffffffu, v, 2);
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v;
+// s (the thread's KPT slots of column j, key lane kq) -> S [dk, dv] at column j: a warp's store
+// of a slot is a whole key row.
+template <int KPT>
+static __device__ void store_state(const float (&s)[KPT], float* dst, int dk, int dv, int j, int kq) {
+    if (j >= dv) return;
+#pragma unroll
+    for (int m = 0; m < KPT; ++m)
+        if (slot_key(m, kq) < dk) dst[(long long)slot_key(m, kq) * dv + j] = s[m];
+}
+
+// A column's sum of its 8 key lanes' partials, in every thread: the order an xor butterfly over
+// offsets 4, 2, 1 adds them in, ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)). Two buffers
+// taken in turn (`turn`, the same in every thread): a sum's writes into one come after the
+// barrier of the sum before it, so after every thread's reads of the one before that.
+struct KeyLanes {
+    float p[2][KDA_KEY_LANES][KDA_COLS];
+};
+
+static __device__ __forceinline__ float key_lanes_sum(float v, KeyLanes& kl, int& turn, int c, int kq) {
+    float(*p)[KDA_COLS] = kl.p[turn];
+    turn ^= 1;
+    p[kq][c] = v;
+    __syncthreads();
+    return ((p[0][c] + p[4][c]) + (p[2][c] + p[6][c])) + ((p[1][c] + p[5][c]) + (p[3][c] + p[7][c]));
 }
 
 // Where kda_rows reads its rows: a walk's q, k, g [t, Hk, dk], v [t, Hk, dv], beta [t, Hk], or a
@@ -180,15 +172,15 @@ template <int KPT, int STAGE, KdaWalk MODE>
 static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* state, float* __restrict__ out,
                                 int t, int hk, int dk, int dv, float* __restrict__ marks,
                                 float* __restrict__ rec, int rw) {
-    // a staged key row: each key lane's KPT keys then 4 pad floats; LANE / 4 odd puts the 8
-    // lanes' float4 reads of a row in 8 different groups of 4 banks (no conflicts)
-    constexpr int LANE = KPT + 4, ROW = KDA_KEY_LANES * LANE;
-    static_assert(KPT % KDA_KEY_BLOCK == 0 && (LANE / 4) % 2 == 1, "float4 reads, conflict-free across the key lanes");
+    // a staged key row: each key lane's KPT keys in slot order (a warp's float4 reads: one address)
+    constexpr int LANE = KPT, ROW = KDA_KEY_LANES * LANE;
+    static_assert(KPT % KDA_KEY_BLOCK == 0, "float4 reads of whole key blocks");
     constexpr bool REPLAY = MODE == KdaWalk::REPLAY, RECORD = MODE == KdaWalk::RECORD;
     __shared__ __align__(16) float sq[REPLAY ? 1 : STAGE][ROW], sk[STAGE][ROW], se[STAGE][ROW];
     __shared__ float sv[STAGE][KDA_COLS], sb[STAGE];
-    __shared__ Slab slab;
-    const int h = blockIdx.x, c = threadIdx.x / KDA_KEY_LANES, kq = threadIdx.x % KDA_KEY_LANES;
+    __shared__ KeyLanes lanes;
+    const int h = blockIdx.x, c = threadIdx.x % KDA_COLS, kq = threadIdx.x / KDA_COLS;
+    int turn = 0;
     const int j0 = blockIdx.y * KDA_COLS, j = j0 + c;
     const bool active = j < dv, keys = blockIdx.y == 0;  // the first column block records k, g, beta
     const long long at = (long long)h * dk * dv + j;  // S[0, j]
@@ -197,7 +189,7 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
     for (int m = 0; m < KPT; ++m)
         s[m] = active && slot_key(m, kq) < dk ? from[at + (long long)slot_key(m, kq) * dv] : 0.0f;
     const long long plane = (long long)hk * dk * dv;  // one mark of this layer
-    if constexpr (RECORD) store_slab<KPT>(s, slab, marks + (long long)h * dk * dv, dk, dv, j0, c, kq);
+    if constexpr (RECORD) store_state<KPT>(s, marks + (long long)h * dk * dv, dk, dv, j, kq);
     for (int r0 = 0; r0 < t; r0 += STAGE) {
         const int n = min(STAGE, t - r0);
         __syncthreads();  // the previous stage is read
@@ -243,7 +235,7 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
                     ks += kk[m] * s[m];
                 }
             }
-            ks = key_lanes_sum(ks);
+            ks = key_lanes_sum(ks, lanes, turn, c, kq);
             const float delta = (sv[r][c] - ks) * sb[r];
             float qs = 0.0f;
 #pragma unroll
@@ -261,16 +253,15 @@ static __device__ void kda_rows(const KdaRowsIn in, const float* from, float* st
                 }
             }
             if constexpr (!REPLAY) {
-                qs = key_lanes_sum(qs);
+                qs = key_lanes_sum(qs, lanes, turn, c, kq);
                 if (active && kq == 0) out[((long long)(r0 + r) * hk + h) * dv + j] = qs;
                 const int done = r0 + r + 1;  // rows walked: a mark when rows follow
                 if (RECORD && done % KDA_MARK_ROWS == 0 && done < t)
-                    store_slab<KPT>(s, slab, marks + done / KDA_MARK_ROWS * plane + (long long)h * dk * dv, dk, dv,
-                                    j0, c, kq);
+                    store_state<KPT>(s, marks + done / KDA_MARK_ROWS * plane + (long long)h * dk * dv, dk, dv, j, kq);
             }
         }
     }
-    store_slab<KPT>(s, slab, state + (long long)h * dk * dv, dk, dv, j0, c, kq);
+    store_state<KPT>(s, state + (long long)h * dk * dv, dk, dv, j, kq);
 }
 
 // The walk: grid (Hk, ceil(dv / KDA_COLS)), block MEMRA_BLOCK; NAME##_record also writes marks and rec.

@@ -92,11 +92,11 @@ class NumpyKdaOps:
         before `keep` rows walked again through the recorded rows from there to `keep`, the state
         the recorded walk left after them, bit for bit (fewer than M rows walked)."""
         dk, dv = marks.shape[3], marks.shape[4]
-        first = keep // KDA_MARK_ROWS * KDA_MARK_ROWS
+        mark = keep // KDA_MARK_ROWS
         for j in range(marks.shape[0]):
-            rows = np.ascontiguousarray(record[j, first:keep])
+            rows = np.ascontiguousarray(record[j, mark * KDA_MARK_ROWS:keep])
             k, g, v = rows[..., :dk], rows[..., dk:2 * dk], rows[..., 2 * dk:2 * dk + dv]
-            s = marks[j, keep // KDA_MARK_ROWS].copy()
+            s = marks[j, mark].copy()
             self.kda_recurrence(k, k, v, g, rows[..., 2 * dk + dv], s)
             state[j] = s
 

@@ -59,7 +59,7 @@
 #define KDA_COLS 32
 #endif
 #ifndef KDA_MARK_ROWS
-#define KDA_MARK_ROWS 8
+#define KDA_MARK_ROWS 4
 #endif
 #ifndef KDA_CONV_SPAN
 #define KDA_CONV_SPAN 64

@@ -19,7 +19,7 @@ from memra.limits import VERIFY_CAP
 from tests.backend.inputs import normal, uniform
 
 HK, C, K, T = 2, 48, 4, 6
-WALK = VERIFY_CAP  # a recorded walk: past KDA_MARK_ROWS rows, so it keeps two marks (longer is a prompt)
+WALK = VERIFY_CAP  # a recorded walk: past KDA_MARK_ROWS rows, so it keeps several marks (longer is a prompt)
 # (dk, dv); dv = 20 or 12: a block of 8 value columns only half full; dk = 256: every slot
 SHAPES = [(32, 32), (40, 20), (256, 12)]
 

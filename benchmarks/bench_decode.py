@@ -166,18 +166,25 @@ def replay_gpu_ms(cache) -> float | None:
     sets of REPLAY_REPS back-to-back replays between CUDA events: the step's device time with no
     host work and no profiler (CUPTI lengthens the kernels it records). None where no decode step
     was captured (numpy's runner, or graphs turned off)."""
-    graphs = getattr(cache.walks, "graphs", None)
-    if not graphs:
+    captured = captured_step(cache)
+    if captured is None:
         return None
-    steps = [walk for key, walk in graphs.items() if key[:3] == (1, False, ())]  # one row, no snapshots, no taps
-    assert len(steps) == 1, f"replay_gpu_ms: one captured decode step expected, the runner holds {list(graphs)}"
-    (captured,) = steps
 
     def replays():
         for _ in range(REPLAY_REPS):
             captured.graph.launch()
 
     return time_ms(replays, reps=REPLAY_SETS, warmup=1) / REPLAY_REPS
+
+
+def captured_step(cache):
+    """The cache's captured decode step (a CapturedWalk), or None where none was captured."""
+    graphs = getattr(cache.walks, "graphs", None)
+    if not graphs:
+        return None
+    steps = [walk for key, walk in graphs.items() if key[:3] == (1, False, ())]  # one row, no snapshots, no taps
+    assert len(steps) == 1, f"one captured decode step expected, the runner holds {list(graphs)}"
+    return steps[0]
 
 
 def card(record: dict) -> list[str]:

@@ -42,10 +42,9 @@ def _busy_us(spans: list[tuple[float, float]]) -> float:
     return sum(_own_us(spans))
 
 
-def kernel_profile(run, steps: int, launched: list[str]) -> dict | None:
-    """Profile run() (steps decode steps): kernel GPU time per family and per step, its share
-    of the summed kernel time, and the GPU's idle share of the span (launch gaps, host waits).
-    launched: the 'module.kernel' names counted_launches saw, to name each kernel's module."""
+def kernel_spans(run) -> list[tuple[str, float, float]] | None:
+    """(kernel name, start us, end us) of every kernel run() puts on the GPU, by start; None
+    without torch's profiler or without kernels recorded."""
     try:
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
@@ -53,14 +52,22 @@ def kernel_profile(run, steps: int, launched: list[str]) -> dict | None:
         return None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sorted(kernels, key=lambda k: k[1]) or None
+
+
+def kernel_profile(run, steps: int, launched: list[str]) -> dict | None:
+    """Profile run() (steps decode steps): kernel GPU time per family and per step, its share
+    of the summed kernel time, and the GPU's idle share of the span (launch gaps, host waits).
+    launched: the 'module.kernel' names counted_launches saw, to name each kernel's module."""
+    kernels = kernel_spans(run)
     if not kernels:
         return None
     owner = dict(reversed(k.split(".", 1)) for k in launched)
-    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    spans = [(start, end) for _, start, end in kernels]
     per = {}
-    for e, us in zip(kernels, _own_us(spans)):
-        fam = per.setdefault(_family(e.name, owner), {"us": 0.0, "calls": 0})
+    for (name, _, _), us in zip(kernels, _own_us(spans)):
+        fam = per.setdefault(_family(name, owner), {"us": 0.0, "calls": 0})
         fam["us"] += us
         fam["calls"] += 1
     total = sum(f["us"] for f in per.values())

@@ -4,10 +4,12 @@ the cache state it reads. The denominators of bench_decode's and bench_verify's 
 
     weights = weight_bytes(model, [cfg.num_experts_per_tok] * moe_layer_count(model), rows=1)
     state = state_bytes(model, cache, rows=1)
+    blocks = block_bytes(model, cfg.num_experts_per_tok)   # [(kind, bytes)] in walk order (step_blocks)
 """
 
 from __future__ import annotations
 
+from memra.model.kda import KdaMixer
 from memra.model.moe import Moe
 from memra.model.trunk import Glm5Model
 
@@ -59,6 +61,23 @@ def weight_bytes(model: Glm5Model, experts_read: list[int], rows: int) -> dict[s
         "embedding_rows": int(rows * table.nbytes // table.shape[0]),
     }
     return {k: int(v) for k, v in out.items()} | {"total": int(sum(out.values()))}
+
+
+def block_bytes(model: Glm5Model, experts_read: int) -> list[tuple[str, int]]:
+    """(kind, weight bytes) of each block of a one-row trunk walk, in walk order: each layer's
+    attention block (its attention mHC site, input norm and mixer: "kda attention" or "mla
+    attention"), then its FFN block (the FFN site, post-attention norm and FFN, with experts_read
+    routed experts: "moe ffn", or "dense ffn"), and last "head" (final norm and lm head). With one
+    embedding row they add up to weight_bytes' total for experts_read experts a MoE layer."""
+    out = []
+    for layer in model.layers:
+        whole, _ = _block_bytes(layer)
+        ffn_whole, per_expert = _block_bytes(layer.ffn)
+        ffn = _block_bytes(layer.ffn_site)[0] + layer.post_norm.nbytes + ffn_whole
+        out.append(("kda attention" if isinstance(layer.mixer, KdaMixer) else "mla attention", int(whole - ffn)))
+        out.append(("moe ffn" if isinstance(layer.ffn, Moe) else "dense ffn", int(ffn + experts_read * per_expert)))
+    out.append(("head", int(model.lm_head.nbytes + model.final_norm.nbytes)))
+    return out
 
 
 def state_bytes(model: Glm5Model, cache, rows: int, snapshot: bool = False) -> dict[str, int]:

@@ -1,0 +1,54 @@
+"""step_blocks on CPU: the block bytes add up to the walk's weight bytes, a profiled timeline is
+cut where each site's combine ends, and on numpy the script prints ONE JSON line saying why it
+holds no blocks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import step_blocks
+from benchmarks.common import build_model
+from benchmarks.walk_bytes import block_bytes, moe_layer_count, weight_bytes
+
+
+def test_block_bytes_add_up_to_the_walk_and_follow_its_layers():
+    model = build_model("small", "numpy")
+    k = model.cfg.num_experts_per_tok
+    blocks = block_bytes(model, k)
+    walk = weight_bytes(model, [k] * moe_layer_count(model), rows=1)
+    assert sum(nbytes for _, nbytes in blocks) + walk["embedding_rows"] == walk["total"]
+    assert len(blocks) == 2 * len(model.layers) + 1 and blocks[-1][0] == "head"
+    kinds = {"linear_attention": "kda attention", "indexed_attention": "mla attention"}
+    assert [kind for kind, _ in blocks[:-1:2]] == [kinds[kind] for kind in model.cfg.layer_types]
+    assert [kind for kind, _ in blocks[1::2]] == [
+        "dense ffn" if kind == "dense" else "moe ffn" for kind in model.cfg.mlp_layer_types]
+    fewer = block_bytes(model, k - 1)  # one routed expert less: only the MoE blocks shrink
+    assert [a - b for (_, a), (_, b) in zip(blocks, fewer)] == [
+        walk["routed_experts"] // (k * moe_layer_count(model)) if kind == "moe ffn" else 0 for kind, _ in blocks]
+
+
+def test_a_timeline_is_cut_at_each_site_combine_per_replay():
+    one = [("embed_f32", 0, 3), ("hc_partials_r1", 3, 5), ("hc_weights", 4, 20), ("linear_group", 5, 30),
+           ("hc_combine", 29, 32), ("moe_gate_up", 31, 60), ("hc_combine", 60, 61), ("head_linear", 61, 90)]
+    two = [(name, start + 100, end + 100) for name, start, end in one]
+    assert step_blocks.block_us(one + two, 2) == [[32, 29, 29], [32, 29, 29]]
+    with pytest.raises(AssertionError, match="do not split"):
+        step_blocks.block_us(one + two[:-1], 2)
+
+
+def test_kinds_hold_each_block_against_its_copy_time():
+    blocks = [("kda attention", 2000), ("moe ffn", 6000), ("kda attention", 2000), ("head", 1000)]
+    kinds = step_blocks.by_kind(blocks, [4.0, 6.0, 2.0, 1.0], roof_gbs=1.0)  # 1 GB/s: 1000 bytes a us
+    assert kinds["kda attention"] == {"count": 2, "us_each": 3.0, "bytes_each": 2000, "copy_us_each": 2.0,
+                                      "of_copy_bw": pytest.approx(2 / 3), "us_past_copy": 2.0}
+    assert kinds["moe ffn"]["of_copy_bw"] == 1.0 and kinds["head"]["us_past_copy"] == 0.0
+
+
+def test_on_numpy_it_prints_one_json_line_without_blocks(capsys):
+    assert step_blocks.main(["--preset", "small", "--backend", "numpy", "--git-sha", "test", "--context", "8"]) == 0
+    out = capsys.readouterr()
+    record = json.loads(out.out)
+    assert out.out.count("\n") == 1 and record["bench"] == "step_blocks"
+    assert record["blocks"] is None and "CUDA graphs" in record["why"] and "no blocks" in out.err

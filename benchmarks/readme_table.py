@@ -2,7 +2,7 @@
 
     python benchmarks/readme_table.py benchmarks/results/bench_ops-*.json benchmarks/results/bench_decode-*.json ...
 
-Reads any mix of bench_ops / bench_decode / bench_verify / bench_spec / bench_sampled / bench_fp8 records (one JSON
+Reads any mix of bench_ops / bench_decode / bench_verify / bench_spec / bench_sampled / bench_fp8 / step_blocks records (one JSON
 line each) and prints markdown: one table per kind, each naming its file, device, date and git sha.
 """
 
@@ -193,8 +193,22 @@ def fp8(path: str, r: dict) -> list[str]:
     return out
 
 
+def blocks(path: str, r: dict) -> list[str]:
+    """A replayed decode step by block kind, each against the copy time of its weights."""
+    if r["blocks"] is None:
+        return [_head(path, r), "", f"No blocks: {r['why']}."]
+    out = [_head(path, r), "", f"| block ({_preset(r)}, {r['config']['context']}-token context; the step "
+           f"{r['replay_ms']:.3f} ms, {r['profiled_step_us'] / 1e3:.3f} profiled, {100 * r['of_copy_bw']:.0f}% of "
+           "copy bw) | blocks | us each | weights each | copy us each | of copy bw | us past copy, all |",
+           "|---|---|---|---|---|---|---|"]
+    for kind, k in r["kinds"].items():
+        out.append(f"| {kind} | {k['count']} | {k['us_each']:.1f} | {_mb(k['bytes_each'])} | "
+                   f"{k['copy_us_each']:.1f} | {100 * k['of_copy_bw']:.0f}% | {k['us_past_copy']:.0f} |")
+    return out
+
+
 TABLES = {"bench_ops": ops, "bench_decode": decode, "bench_verify": verify, "bench_spec": spec,
-          "bench_sampled": sampled, "bench_fp8": fp8}
+          "bench_sampled": sampled, "bench_fp8": fp8, "step_blocks": blocks}
 
 
 def main(argv=None) -> int:

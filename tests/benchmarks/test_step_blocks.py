@@ -1,14 +1,15 @@
 """step_blocks on CPU: the block bytes add up to the walk's weight bytes, a profiled timeline is
 cut where each site's combine ends, and on numpy the script prints ONE JSON line saying why it
-holds no blocks."""
+holds no blocks; the README's table renders the records."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from benchmarks import step_blocks
+from benchmarks import readme_table, step_blocks
 from benchmarks.common import build_model
 from benchmarks.walk_bytes import block_bytes, moe_layer_count, weight_bytes
 
@@ -52,3 +53,14 @@ def test_on_numpy_it_prints_one_json_line_without_blocks(capsys):
     record = json.loads(out.out)
     assert out.out.count("\n") == 1 and record["bench"] == "step_blocks"
     assert record["blocks"] is None and "CUDA graphs" in record["why"] and "no blocks" in out.err
+
+
+def test_the_readme_table_renders_the_committed_records_and_a_blockless_one(capsys, tmp_path):
+    paths = sorted(Path(__file__).resolve().parents[2].glob("benchmarks/results/step_blocks-*.json"))
+    assert paths
+    step_blocks.main(["--preset", "small", "--backend", "numpy", "--git-sha", "test", "--context", "8",
+                      "--out", str(tmp_path / "r.json")])
+    capsys.readouterr()
+    assert readme_table.main([*map(str, paths), str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| moe ffn |") == len(paths) and "No blocks: no captured decode step" in out

@@ -8,7 +8,7 @@ After a --context-token prime, for each t in --rows: the time of model.verify_gr
 argmax taken on the device, as the decode step it is compared with takes its own), beside it
 model.verify_rows (the same walk with its [t, V] logits copied to the host), and apart from
 them the time of model.rollback at keep=1 (every draft rejected), at the keep whose KDA replay
-walks the most rows (from the walk's last state mark: keep 7 of 15) and at keep=t-1 (all but
+walks the most rows (from the walk's last state mark: keep 11 of 15) and at keep=t-1 (all but
 the last); then the walk is undone from its checkpoint (model.rewind), so
 every repetition starts from the same cache. Also: the ratio to a plain
 decode step timed in the same run, the weight bytes the walk reads (trunk arrays once, the

@@ -64,3 +64,10 @@ def test_the_readme_table_renders_the_committed_records_and_a_blockless_one(caps
     assert readme_table.main([*map(str, paths), str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert out.count("| moe ffn |") == len(paths) and "No blocks: no captured decode step" in out
+
+
+@pytest.mark.parametrize("staged", [["--gpus", "2"], ["--stage-layers", "0-2,3-5"]])
+def test_a_pipeline_is_refused_by_name(staged, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        step_blocks.main(["--preset", "small", "--backend", "numpy", "--git-sha", "test", *staged])
+    assert exit_.value.code == 2 and "a pipeline's stages are not cut into blocks" in capsys.readouterr().err

@@ -88,13 +88,11 @@ class KdaOps:
             _buffer(record, "record", None, hk, width)
             assert marks.shape[0] >= kda_mark_count(t) and record.shape[0] >= t, (
                 f"marks, record: {marks.shape[0]}, {record.shape[0]} rows for a walk of {t}")
-        if t:
-            args = (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv))
-            if marks is None:
-                launch("kda", _recurrence(dk), (hk, blocks_of(dv, KDA_COLS)), (BLOCK,), args)
-            else:
-                launch("kda", _recurrence(dk) + "_record", (hk, blocks_of(dv, KDA_COLS)), (BLOCK,),
-                       (*args, marks, record, i32(width)))
+        if t:  # a walk that records is its own kernel, so the decode step's carries none of it
+            name, recorded = ((_recurrence(dk), ()) if marks is None else
+                              (_recurrence(dk) + "_record", (marks, record, i32(width))))
+            launch("kda", name, (hk, blocks_of(dv, KDA_COLS)), (BLOCK,),
+                   (q, k, v, g, beta, state, out, i32(t), i32(hk), i32(dk), i32(dv), *recorded))
         return out
 
     def kda_replay(self, record, marks, state, keep: int) -> None:

@@ -8,9 +8,10 @@
 // (the block partial), which is multiplied by the block's scale and added to the running sum.
 //
 // Order: warp v of the block takes the FP8_BLOCK-wide in-feature blocks v, v + SPLIT, ... in
-// ascending order; inside a block, k-steps 0..7 (16 in-features each), each as hi, mid, lo; the
-// warps' running sums are added in warp order (MmaTile, as for bf16). All of it depends on n_in
-// only, never on t, so row r of a t-row call is bit-identical to the row alone.
+// ascending order; inside a block each piece has its own accumulator, fed k-steps 0..7 (16
+// in-features each) in order, and the block partial is (hi + mid) + lo; the warps' running sums
+// are added in warp order (MmaTile, as for bf16). All of it depends on n_in only, never on t, so
+// row r of a t-row call is bit-identical to the row alone.
 // Loads: lane (g = lane / 4, q = lane % 4) reads 16 bytes of each of its weight rows per 64-wide
 // half block: in-features h0 + 16 q .. h0 + 16 q + 15, both halves loaded before the block's
 // first MMA. In k-step s of a half, with c = h0 + 16 q + 4 s, MMA k-indices 2q, 2q + 1 stand for
@@ -110,21 +111,51 @@ static __device__ __forceinline__ void stage_row(const float* row, int kb, Fp8St
     __syncwarp();
 }
 
+// The block partial of weight rows (g, g + 8) from its pieces' sums (MMA C layout: part[piece][i]
+// holds weight row g + 8 (i / 2), column 2q + i % 2): (hi + mid) + lo, the order of the header.
+// ONE: the pieces are B columns 0, 1, 2 of one accumulator, so lane q = 0 holds hi and mid of
+// its rows and lane q = 1 their lo; slots 0 and 2 of lane q = 0 get the partials (column 0, the
+// tile's one row), every other slot something never stored.
+template <bool ONE>
+static __device__ __forceinline__ void block_partial(const float (&part)[ONE ? 1 : 3][4], float (&out)[4]) {
+    if constexpr (ONE) {
+#pragma unroll
+        for (int i = 0; i < 4; i += 2) {
+            const float lo = __shfl_down_sync(0xffffffffu, part[0][i], 1);
+            out[i] = out[i + 1] = (part[0][i] + part[0][i + 1]) + lo;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) out[i] = (part[0][i] + part[1][i]) + part[2][i];
+    }
+}
+
 // The lane's MMAs over its blocks into acc (see mma_tile_fp8). FULL: every operand row present
 // and aligned and n_in a multiple of FP8_BLOCK, so no load checks anything. ONE (FULL, NT = 1):
-// the tile has one activation row (lane 0's), staged once a block by the warp instead of split
-// by every lane group g for its own B column, 7 of 8 of them padded (the split was about a third
-// of the tile's instructions); a padded column then repeats column 0, and is never stored.
+// the tile has one activation row (lane 0's), staged once a block by the warp into shared memory
+// (instead of split by every lane group g for its own B column, 7 of 8 of them padded), and its
+// three pieces ride in B columns 0, 1, 2 of ONE MMA per k-step (lane group g reads piece g; the
+// groups past 2 repeat hi, never kept) where a tile of more rows runs three, one per piece, each
+// into its own accumulator: a column's sums depend on that column's operands only, so both give
+// every piece's sum the same bits, and a one-row tile runs a third of the MMAs.
 template <int J, int NT, bool FULL, bool ONE = false>
 static __device__ __forceinline__ void mma_steps_fp8(const unsigned char* const (&wrow)[J][2],
                                                      const float* const (&srow)[J], const float* const (&xrow)[NT],
                                                      int n_in, bool w_aligned, bool x_aligned,
                                                      float (&acc)[J][NT][4], Fp8Stage* stage = nullptr) {
     static_assert(!ONE || (FULL && NT == 1), "a staged tile is whole and has one activation column");
-    const int q = threadIdx.x % MMA_WARP % 4, warp = threadIdx.x / MMA_WARP;
+    constexpr int P = ONE ? 1 : 3;  // accumulators per (j, n): the pieces' sums, apart
+    const int q = threadIdx.x % MMA_WARP % 4, g = threadIdx.x % MMA_WARP / 4, warp = threadIdx.x / MMA_WARP;
     for (int kb = warp * FP8_BLOCK; kb < n_in; kb += MMA_SPLIT * FP8_BLOCK) {
-        float part[J][NT][4];
-        mma_zero<J, NT>(part);
+        float part[J][NT][P][4];
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int piece = 0; piece < P; ++piece)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) part[j][n][piece][i] = 0.0f;
         uint4 raw[2][J][2];  // the whole block's bytes in flight before the first MMA: [half][j][h]
 #pragma unroll
         for (int half = 0; half < 2; ++half)
@@ -135,27 +166,17 @@ static __device__ __forceinline__ void mma_steps_fp8(const unsigned char* const 
                     raw[half][j][h] = load_b16<FULL>(wrow[j][h], kb + 64 * half + 16 * q, n_in, w_aligned);
         if constexpr (ONE) stage_row(xrow[0], kb, *stage);
 #pragma unroll
+#pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int k = kb + 64 * half + 16 * q;
-            unsigned wv[J][2][8];  // word 2s: in-features (c, c + 2), word 2s + 1: (c + 1, c + 3)
-#pragma unroll
-            for (int j = 0; j < J; ++j)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i)
-                        e4m3x4_to_bf16x2(word(raw[half][j][h], i), wv[j][h][2 * i], wv[j][h][2 * i + 1]);
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                unsigned pa[3][4], pb[3][4];
+                unsigned pa[P][4], pb[P][4];
                 if constexpr (ONE) {
-#pragma unroll
-                    for (int piece = 0; piece < 3; ++piece) {
-                        const uint4* words = reinterpret_cast<const uint4*>((*stage)[4 * half + q][piece]);
-                        const uint4 a = words[0], b = words[1];
-                        pa[piece][0] = a.x; pa[piece][1] = a.y; pa[piece][2] = a.z; pa[piece][3] = a.w;
-                        pb[piece][0] = b.x; pb[piece][1] = b.y; pb[piece][2] = b.z; pb[piece][3] = b.w;
-                    }
+                    const uint4* words = reinterpret_cast<const uint4*>((*stage)[4 * half + q][g < 3 ? g : 0]);
+                    const uint4 a = words[0], b = words[1];
+                    pa[0][0] = a.x; pa[0][1] = a.y; pa[0][2] = a.z; pa[0][3] = a.w;
+                    pb[0][0] = b.x; pb[0][1] = b.y; pb[0][2] = b.z; pb[0][3] = b.w;
                 } else {
                     float xa[8], xb[8];
                     load_x8_fp8<FULL>(xrow[n], k, n_in, x_aligned, xa);
@@ -164,16 +185,22 @@ static __device__ __forceinline__ void mma_steps_fp8(const unsigned char* const 
                     split_pieces(xb, pb);
                 }
 #pragma unroll
-                for (int s = 0; s < 4; ++s)
+                for (int s = 0; s < 4; ++s) {
+                    unsigned wv[J][2][2];  // word 0: in-features (c, c + 2), word 1: (c + 1, c + 3)
 #pragma unroll
-                    for (int piece = 0; piece < 3; ++piece) {
+                    for (int j = 0; j < J; ++j)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            e4m3x4_to_bf16x2(word(raw[half][j][h], s), wv[j][h][0], wv[j][h][1]);
+#pragma unroll
+                    for (int piece = 0; piece < P; ++piece) {
                         const unsigned b0 = s < 2 ? pa[piece][2 * s] : pb[piece][2 * s - 4];
                         const unsigned b1 = s < 2 ? pa[piece][2 * s + 1] : pb[piece][2 * s - 3];
 #pragma unroll
                         for (int j = 0; j < J; ++j)
-                            mma_bf16(part[j][n], wv[j][0][2 * s], wv[j][1][2 * s], wv[j][0][2 * s + 1],
-                                     wv[j][1][2 * s + 1], b0, b1);
+                            mma_bf16(part[j][n][piece], wv[j][0][0], wv[j][1][0], wv[j][0][1], wv[j][1][1], b0, b1);
                     }
+                }
             }
         }
         const int b = kb / FP8_BLOCK;
@@ -181,9 +208,12 @@ static __device__ __forceinline__ void mma_steps_fp8(const unsigned char* const 
         for (int j = 0; j < J; ++j) {
             const float sc = FULL || srow[j] != nullptr ? srow[j][b] : 0.0f;
 #pragma unroll
-            for (int n = 0; n < NT; ++n)
+            for (int n = 0; n < NT; ++n) {
+                float p[4];
+                block_partial<ONE>(part[j][n], p);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc[j][n][i] = acc[j][n][i] + part[j][n][i] * sc;
+                for (int i = 0; i < 4; ++i) acc[j][n][i] = acc[j][n][i] + p[i] * sc;
+            }
         }
     }
 }

@@ -255,18 +255,21 @@ extern "C" __global__ void moe_expert_list(const long long* idx, int n, int E, i
 
 EXPERTS_BF16(1) EXPERTS_BF16(2)
 
+// The launch bounds keep two blocks an SM for a pass of 8 rows (NT = 1): without them the pieces'
+// accumulators of a pass of several rows (exact_mma_fp8.cuh) took registers enough to leave one,
+// and the experts ran 14-16% slower at t = 1 and 8 (bench_fp8, graph-timed at the bench shapes).
 #define EXPERTS_FP8(NT)                                                                            \
-    extern "C" __global__ void moe_gate_up_fp8_n##NT(                                              \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3 - NT) moe_gate_up_fp8_n##NT(       \
         const float* x, const long long* idx, const int* list, const int* listed,                  \
         const unsigned char* gw, const float* gs, const unsigned char* uw, const float* us,        \
         float* h, int t, int k, int I, int D, float limit) {                                       \
         after_predecessor();                                                                       \
         gate_up_fp8<NT>(x, idx, list, listed, gw, gs, uw, us, h, t, k, I, D, limit);               \
     }                                                                                              \
-    extern "C" __global__ void moe_down_fp8_n##NT(const float* h, const long long* idx,            \
-                                                  const int* list, const int* listed,              \
-                                                  const unsigned char* dw, const float* ds,        \
-                                                  float* y, int t, int k, int I, int D) {          \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3 - NT)                              \
+    moe_down_fp8_n##NT(const float* h, const long long* idx, const int* list, const int* listed,   \
+                       const unsigned char* dw, const float* ds, float* y, int t, int k, int I,    \
+                       int D) {                                                                    \
         after_predecessor();                                                                       \
         down_fp8<NT>(h, idx, list, listed, dw, ds, y, t, k, I, D);                                 \
     }

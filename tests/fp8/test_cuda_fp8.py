@@ -190,6 +190,18 @@ def test_red_arm_a_staged_row_in_the_wrong_k_order_breaks_the_one_row_tiles(monk
     assert _unchecked_equals_checked(1)  # green
 
 
+@pytest.mark.parametrize("exact, broken", [
+    ("(part[0][i] + part[0][i + 1]) + lo;", "part[0][i] + (part[0][i + 1] + lo);"),  # another order
+    ("[g < 3 ? g : 0]", "[g < 3 ? 2 - g : 0]"),                                       # hi and lo swapped
+], ids=["partial_order", "piece_columns"])
+def test_red_arm_a_one_row_tile_off_the_pieces_order_is_caught(monkeypatch, tmp_path, exact, broken):
+    """A one-row tile runs its row's three pieces as B columns of one MMA and adds the columns'
+    sums as (hi + mid) + lo; adding them in another order, or feeding the columns other pieces,
+    leaves the bits of a tile of more rows (which runs an MMA per piece) and is caught."""
+    mutants = _tile_mutants(monkeypatch, tmp_path, exact, broken)
+    assert not _unchecked_equals_checked(1, launch=mutants.get)
+
+
 # ---- the identity gate and its red arms -------------------------------------------------------------
 
 def _identity(n, scales):

@@ -286,14 +286,11 @@ class NumpyBackend(NumpyHyperOps, NumpyKdaOps, NumpyDraftOps, NumpyFilterOps):
             out[r, :cols.size + tail.size] = np.concatenate([cols, tail])
         return out
 
-    def mla_attend(self, q_lat: np.ndarray, latent: np.ndarray, positions: np.ndarray, scale: float,
-                   long_lists: bool = False):
+    def mla_attend(self, q_lat: np.ndarray, latent: np.ndarray, positions: np.ndarray, scale: float):
         """Absorbed MLA attention over each row's position list.
 
         q_lat [t, H, R]; latent [len, R] (the cached c rows); positions [t, W] int, -1 padded,
         ascending. Returns o_lat [t, H, R] = sum_j softmax_j(scale q_lat . c_j) c_j.
-        long_lists: the caller knows every list holds at least memra.limits.LONG_LIST positions;
-        a backend may pick its kernels by it, never its values (unused here).
         """
         out = np.empty_like(q_lat)
         for r in range(q_lat.shape[0]):

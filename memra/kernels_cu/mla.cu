@@ -33,10 +33,22 @@ static __device__ __forceinline__ float channel(const float4& v, int c) {
 // distinct bank quads) and a thread reads 4 channels of a row at once, so a step costs TH + TP
 // shared loads for 4 TH TP products where a thread per score took 8. A tile with no selected
 // position (all -1) returns at once.
+// guard lets one graph serve walks on both sides of a list length L (mla.py score_tiles): 0 runs;
+// +L runs only where every row's list holds at least L positions, -L only where one holds fewer
+// (a list is ascending and -1 padded, so that is its slot L - 1). The host launches the two tiles
+// with +L and -L, and exactly one of them scores: the tile changes no score, only the time.
+
+static __device__ __forceinline__ bool guard_passes(const int* positions, int W, int guard) {
+    if (guard == 0) return true;
+    const int L = guard > 0 ? guard : -guard;
+    bool long_lists = L <= W;
+    for (int r = 0; r < (int)gridDim.y && long_lists; ++r) long_lists = positions[(long long)r * W + L - 1] >= 0;
+    return long_lists == (guard > 0);
+}
 
 template <int TH, int TP, int KT>
 __device__ void mla_scores_regs(const float* q, const float* latent, const int* positions,
-                                float* scores, int H, int R, int W, float scale) {
+                                float* scores, int H, int R, int W, float scale, int guard) {
     constexpr int HB = 16 * TH, PB = 16 * TP, LD = KT + 4;
     constexpr int QL = HB * KT / MEMRA_BLOCK, CL = PB * KT / MEMRA_BLOCK;
     static_assert(KT % 4 == 0 && QL * MEMRA_BLOCK == HB * KT, "16 x 16 threads, 16-byte reads");
@@ -45,6 +57,7 @@ __device__ void mla_scores_regs(const float* q, const float* latent, const int* 
     __shared__ int ps[PB];
     const int r = blockIdx.y, j0 = blockIdx.x * PB, h0 = blockIdx.z * HB;
     const int hy = threadIdx.x / 16, px = threadIdx.x % 16;
+    if (!guard_passes(positions, W, guard)) return;  // uniform: every block reads the same slots
     const int* pos = positions + (long long)r * W;
     const float* qr = q + (long long)r * H * R;
     bool any = false;
@@ -135,9 +148,9 @@ __device__ void mla_scores_regs(const float* q, const float* latent, const int* 
 #define MLA_SCORES(TH, TP, KT)                                                                     \
     extern "C" __global__ void __launch_bounds__(MEMRA_BLOCK, 2)                                   \
         mla_scores_h##TH##p##TP(const float* q, const float* latent, const int* positions,         \
-                                float* scores, int H, int R, int W, float scale) {                 \
+                                float* scores, int H, int R, int W, float scale, int guard) {      \
         after_predecessor();                                                                       \
-        mla_scores_regs<TH, TP, KT>(q, latent, positions, scores, H, R, W, scale);                 \
+        mla_scores_regs<TH, TP, KT>(q, latent, positions, scores, H, R, W, scale, guard);          \
     }
 MLA_SCORES(1, 1, 64)  // one dot a thread (mla.py score_tile says which tile a walk takes)
 MLA_SCORES(2, 2, 32)

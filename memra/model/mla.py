@@ -12,15 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memra.limits import LONG_LIST
 from memra.model.cache import LatentPlane
-
-
-def long_lists(cfg, pos0: int) -> bool:
-    """Whether every row of a walk at pos0 attends at least LONG_LIST positions: a row sees
-    pos0 + 1 or more, and the selection keeps all of them up to index_topk (then index_topk and
-    its tail pool). The hint mla_attend picks its kernels by; a walk's graph key holds it."""
-    return min(pos0 + 1, cfg.index_topk) >= LONG_LIST
 
 
 class KpoolIndexer:
@@ -93,7 +85,6 @@ class MlaMixer:
             selection = self.indexer(indexed, qr, plane, at)
         # the whole plane: the selection names only positions below the walk's last row; the
         # plane holds the walk's first position's rows (LatentPlane.check), so its length is pos0
-        o_lat = be.mla_attend(be.head_linear(q, self.w_uk_t), plane.latent, selection, self.scale,
-                              long_lists(cfg, plane.length))
+        o_lat = be.mla_attend(be.head_linear(q, self.w_uk_t), plane.latent, selection, self.scale)
         o = be.head_linear(o_lat, self.w_uv).reshape(t, h * dv)
         return be.linear(o, self.o_proj), selection

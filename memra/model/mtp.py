@@ -9,7 +9,7 @@ is z before shared_head.norm: it chains into the next draft step as its h.
 from __future__ import annotations
 
 from memra.errors import ResidencyError
-from memra.model.mla import MlaMixer, long_lists
+from memra.model.mla import MlaMixer
 from memra.model.moe import Moe
 
 
@@ -49,7 +49,7 @@ class MtpBlock:
         if walks is None:
             out = rows(next_tokens, self.be.position(pos0), h)
         else:
-            out = walks.run((t, long_lists(self.cfg, pos0)), rows, next_tokens, pos0, h)
+            out = walks.run(t, rows, next_tokens, pos0, h)
         plane.advance(pos0 + t, pool)
         return out
 

@@ -123,7 +123,7 @@ class StagedGlm5Model(Glm5Model):
         """Stage s's turn of a walk, in its lane: receive the boundary (s > 0), walk its layers,
         send its own boundary on (s < last) -> (its output, the taps so far)."""
         last, pos0 = self.placement.count - 1, cache.pos
-        key = self._walk_key(tokens, cache, snapshots, tap_layers, replay)
+        key = self._walk_key(tokens, snapshots, tap_layers, replay)
         with self.lanes.scope(s):
             received = self.transport.recv(s) if s else Boundary(None)
             arrays = () if s == 0 else (received.streams, *(received.selections[i] for i in self.selections_in[s]))

@@ -24,7 +24,7 @@ from memra.memory import check_cache_fits
 from memra.model import hyper
 from memra.model.cache import Cache, VerifyCkpt
 from memra.model.kda import KdaMixer
-from memra.model.mla import MlaMixer, long_lists
+from memra.model.mla import MlaMixer
 from memra.model.moe import DenseMlp, Moe
 from memra.model.mtp import MtpBlock
 from memra.model.tokens import NextToken, check_token_ids, host_id
@@ -291,13 +291,13 @@ class Glm5Model:
         """Run the walk through the cache's runner -> (logits, collapsed, taps)
         (a pipelined model runs it stage by stage instead: model/pipeline.py)."""
         walk = lambda tok, at: self._walk(tok, at, cache, snapshots, tap_layers)
-        key = self._walk_key(tokens, cache, snapshots, tap_layers, replay)
+        key = self._walk_key(tokens, snapshots, tap_layers, replay)
         return cache.walks.run(key, walk, tokens, cache.pos)
 
-    def _walk_key(self, tokens, cache: Cache, snapshots: bool, tap_layers: tuple, replay: bool):
-        """The graph key of a walk: what fixes its launches (the rows, the snapshots, the taps,
-        the MLA lists' length class), or None when it may not replay."""
-        return (int(tokens.size), snapshots, tap_layers, long_lists(self.cfg, cache.pos)) if replay else None
+    def _walk_key(self, tokens, snapshots: bool, tap_layers: tuple, replay: bool):
+        """The graph key of a walk: what fixes its launches (the rows, the snapshots, the taps),
+        or None when it may not replay."""
+        return (int(tokens.size), snapshots, tap_layers) if replay else None
 
     def _walk(self, tokens, at, cache: Cache, snapshots: bool, tap_layers: tuple):
         """The device work of a walk, from token ids and the first position (both as the

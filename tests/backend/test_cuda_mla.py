@@ -215,14 +215,14 @@ def test_more_padding_past_a_short_list_changes_no_bit(t):
 SCORE_KERNELS = ((1, 1), (2, 2), (4, 2))  # mla.cu's MLA_SCORES
 
 
-def _scores_of(mod, tile, q, latent, pos, scale):
+def _scores_of(mod, tile, q, latent, pos, scale, guard=0):
     """mla_scores_h<TH>p<TP> of `mod` on these inputs; entries it does not write stay NaN."""
     (t, h, rank), width = q.shape, pos.shape[1]
     th, tp = tile
     out = cp.full((t * h, width), np.nan, cp.float32)
     mod.get_function(f"mla_scores_h{th}p{tp}")(
         (blocks_of(width, 16 * tp), t, blocks_of(h, 16 * th)), (BLOCK,),
-        (q, latent, pos, out, np.int32(h), np.int32(rank), np.int32(width), F32(scale)))
+        (q, latent, pos, out, np.int32(h), np.int32(rank), np.int32(width), F32(scale), np.int32(guard)))
     return cp.asnumpy(out)
 
 
@@ -262,6 +262,45 @@ def test_red_arm_a_score_tile_adding_two_channels_swapped_is_caught():
     mutated = runtime.source_module(swapped)
     for tile in SCORE_KERNELS:
         assert _scores_of(mutated, tile, *args).tobytes() != base.tobytes(), tile
+
+
+# ---- the tile guard: the lists' length read on the device -------------------------------------
+
+def _guarded_runs(mod, lengths, long_list=6, width=12):
+    """Rows whose lists hold `lengths` positions (ascending, -1 padded): which of the two guarded
+    launches score -> (short tile ran, long tile ran)."""
+    q, latent, _, scale = _score_inputs(3, 16, width, 40, t=len(lengths))
+    pos = np.full((len(lengths), width), -1, np.int32)
+    for r, n in enumerate(lengths):
+        pos[r, :n] = np.arange(n)
+    ran = lambda tile, guard: bool(np.isfinite(_scores_of(mod, tile, q, latent, cp.asarray(pos), scale, guard)).any())
+    return ran((1, 1), -long_list), ran((2, 2), long_list)
+
+
+@pytest.mark.parametrize("lengths, long", [([6], True), ([5], False), ([6, 9, 12], True), ([7, 5, 9], False),
+                                           ([12, 12], True), ([1], False)])
+def test_exactly_one_guarded_tile_scores_and_it_is_the_lists_class(lengths, long):
+    """A walk launches both tiles guarded by +-LONG_LIST (mla.py score_launches); the long one
+    scores only where every row's list holds LONG_LIST positions, the short one only elsewhere."""
+    assert _guarded_runs(runtime.module("mla"), lengths) == (not long, long)
+
+
+def test_red_arm_a_guard_reading_the_slot_before_is_caught():
+    """guard_passes reading slot L - 2 calls a list of L - 1 positions long: both tiles, or none,
+    would score where the lists cross the length."""
+    src = runtime.kernel_dir().joinpath("mla.cu").read_text()
+    early = src.replace("positions[(long long)r * W + L - 1] >= 0", "positions[(long long)r * W + L - 2] >= 0")
+    assert early != src
+    assert _guarded_runs(runtime.source_module(early), [5]) == (False, True)
+    assert _guarded_runs(runtime.module("mla"), [5]) == (True, False)  # green
+
+
+def test_a_walk_launches_one_tile_where_both_classes_take_it_and_both_guarded_where_they_differ():
+    from memra.backend.cuda.mla import LONG_LIST, score_launches, score_tile
+
+    assert score_launches(8, 2063, 64) == [(*score_tile(8, 2063, 64, True), 0)]  # the wide tile either way
+    assert score_launches(1, 2063, 64) == [(1, 1, -LONG_LIST), (2, 2, LONG_LIST)]
+    assert score_launches(1, LONG_LIST - 1, 64) == [(1, 1, 0)]  # too narrow to be long
 
 
 # ---- the position read from the device (what a captured walk replays) -------------------------

@@ -67,48 +67,6 @@ def test_the_numpy_walk_runner_runs_every_walk_eagerly(fixture_dir):
     model = load_model(fixture_dir("mini"), backend="numpy")
     cache = model.new_cache(32)
     seen = []
-    out = cache.walks.run((1, False, (), False), lambda tok, at: seen.append((tok.tolist(), at)) or "out",
+    out = cache.walks.run((1, False, ()), lambda tok, at: seen.append((tok.tolist(), at)) or "out",
                           np.array([5]), 9)
     assert out == "out" and seen == [([5], 9)]
-
-
-def _long_lists_misses(rule, long_list: int) -> list:
-    """(pos0, entries) wherever `rule(cfg, pos0)` disagrees with the selections kpool_select
-    makes (index_topk 8, P 4, walks of 3 rows): it says long but a row attends fewer than
-    long_list positions, or (while long_list <= index_topk) it says short but the walk's first
-    row attends that many (past index_topk a list's length follows its tail pool)."""
-    from types import SimpleNamespace
-
-    cfg, budget, width, rng = SimpleNamespace(index_topk=8), 2, 11, np.random.default_rng(long_list)
-    pool_keys = normal(rng, (40 // POOL + 1, DI))
-    misses = []
-    for pos0 in range(30):
-        q, w = normal(rng, (3, 2, DI)), normal(rng, (3, 2))  # a walk of 3 rows at pos0
-        entries = (BE.kpool_select(q, w, pool_keys, pos0, POOL, budget, width, DI ** -0.5) >= 0).sum(axis=1)
-        if rule(cfg, pos0):
-            wrong = (entries < long_list).any()
-        else:
-            wrong = long_list <= cfg.index_topk and entries[0] >= long_list
-        if wrong:
-            misses.append((pos0, entries.tolist()))
-    return misses
-
-
-@pytest.mark.parametrize("long_list", [3, 6, 8, 10])
-def test_long_lists_holds_exactly_where_every_rows_selection_is_that_long(monkeypatch, long_list):
-    """model.mla.long_lists(cfg, pos0), the hint a walk's graph key and mla_attend carry: true
-    only where every row of a walk at pos0 attends at least LONG_LIST positions, false only
-    where its first row attends fewer (within index_topk)."""
-    from memra.model import mla
-
-    monkeypatch.setattr(mla, "LONG_LIST", long_list)
-    assert _long_lists_misses(mla.long_lists, long_list) == []
-
-
-@pytest.mark.parametrize("wrong, long_list", [
-    (lambda cfg, pos0: pos0 + 1 >= 10, 10),                        # index_topk's cap left out
-    (lambda cfg, pos0: min(pos0 + 2, cfg.index_topk) >= 6, 6),     # one position early
-    (lambda cfg, pos0: min(pos0, cfg.index_topk) >= 6, 6),         # one position late
-])
-def test_red_arm_a_long_lists_rule_off_the_selection_is_caught(wrong, long_list):
-    assert _long_lists_misses(wrong, long_list)

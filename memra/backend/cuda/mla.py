@@ -16,6 +16,7 @@ import cupy as cp
 from memra.backend.cuda.prime import is_prime, prime_attend, prime_pool_scores
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, kernel, launch, opt_in, position
 from memra.kernels_cu.constants import KPOOL_POOLS, MIX_CHANNELS, MIX_SPLIT, MIX_STEP
+from memra.limits import LONG_LIST
 
 # mla_scores' register tiles (heads, positions a thread), by list length: a walk takes the wide
 # tile when its grid has SCORE_BLOCKS blocks, else the narrow one. Graph-timed at H 64, R 512,
@@ -27,17 +28,28 @@ from memra.kernels_cu.constants import KPOOL_POOLS, MIX_CHANNELS, MIX_SPLIT, MIX
 # the narrow tile there is one dot a thread. (2, 2) on short lists from 4 rows was tried: 4 us
 # faster at t = 8 and 600 entries, but a 15-row walk of bench-dense at context 512 profiled 53 us
 # a call against (4, 2)'s 40. The tile changes no score (each is one serial dot over R, whichever
-# thread runs it), so it may follow t and the caller's hint.
-SCORE_TILES = {True: ((4, 2), (2, 2)), False: ((4, 2), (1, 1))}  # long_lists -> (wide, narrow)
+# thread runs it), so it may follow t and the lists' length.
+SCORE_TILES = {True: ((4, 2), (2, 2)), False: ((4, 2), (1, 1))}  # lists of LONG_LIST or more -> (wide, narrow)
 SCORE_BLOCKS = 256
 
 
 def score_tile(t: int, width: int, heads: int, long_lists: bool) -> tuple[int, int]:
     """(TH, TP) of mla_scores_h<TH>p<TP> for t rows of `width` entries and `heads` heads;
-    long_lists: every row's list is known to hold at least memra.limits.LONG_LIST positions."""
+    long_lists: every row's list holds at least LONG_LIST positions."""
     wide, narrow = SCORE_TILES[bool(long_lists)]
     th, tp = wide
     return wide if t * blocks_of(width, 16 * tp) * blocks_of(heads, 16 * th) >= SCORE_BLOCKS else narrow
+
+
+def score_launches(t: int, width: int, heads: int) -> list[tuple[int, int, int]]:
+    """(TH, TP, guard) of each mla_scores launch. Whether the lists are long is read on the device
+    (mla.cu guard_passes), not passed in, so one captured walk serves every position: where the
+    two classes take different tiles both are launched, guarded by +-LONG_LIST, and one returns
+    at once (a walk crossing LONG_LIST used to be captured again mid-stream, some 36 ms on bench)."""
+    short, long = score_tile(t, width, heads, False), score_tile(t, width, heads, True)
+    if short == long or width < LONG_LIST:
+        return [(*short, 0)]
+    return [(*short, -LONG_LIST), (*long, LONG_LIST)]
 
 
 class MlaOps:
@@ -103,9 +115,8 @@ class MlaOps:
                (scores, out, at, i32(pool), i32(budget), i32(width), i32(max(nmax, 1))))
         return out
 
-    def mla_attend(self, q_lat, latent, positions, scale: float, long_lists: bool = False):
-        """o_lat [t, H, R] = sum_j softmax_j(scale q_lat . c_j) c_j over each row's positions.
-        long_lists (the lists hold at least LONG_LIST positions each) picks the score tile only."""
+    def mla_attend(self, q_lat, latent, positions, scale: float):
+        """o_lat [t, H, R] = sum_j softmax_j(scale q_lat . c_j) c_j over each row's positions."""
         check(q_lat, cp.float32, "q_lat")
         check(latent, cp.float32, "latent")
         check(positions, cp.int32, "positions")
@@ -119,10 +130,10 @@ class MlaOps:
             return prime_attend(q_lat, latent, positions, scale)
         out = cp.empty((t, h, rank), cp.float32)
         probs = cp.empty((t * h, width), cp.float32)
-        th, tp = score_tile(t, width, h, long_lists)
-        launch("mla", f"mla_scores_h{th}p{tp}", (blocks_of(width, 16 * tp), t, blocks_of(h, 16 * th)),
-               (BLOCK,),
-               (q_lat, latent, positions, probs, i32(h), i32(rank), i32(width), f32(scale)))
+        for th, tp, guard in score_launches(t, width, h):
+            launch("mla", f"mla_scores_h{th}p{tp}", (blocks_of(width, 16 * tp), t, blocks_of(h, 16 * th)),
+                   (BLOCK,),
+                   (q_lat, latent, positions, probs, i32(h), i32(rank), i32(width), f32(scale), i32(guard)))
         launch("mla", "mla_softmax", (t * h,), (BLOCK,), (probs, positions, i32(h), i32(width)))
         split = self._mix_split
         assert 0 < split <= MIX_SPLIT and split % MIX_STEP == 0, f"mix split {split}"

@@ -18,7 +18,9 @@ host holds up). Then for each (alpha, K)
 a session drafted by `TapeSource` (the tape's next K tokens, each corrupted with
 probability 1 - alpha: acceptance is forced, draft cost ~0): two untimed rounds (the session's
 cache captures its verify walk), then --steps tokens timed. Its output must equal the plain tape
-or the run fails. Reported: tokens/s, rounds, mean accepted per round, speedup vs plain; the bound
+or the run fails. Reported: tokens/s, rounds, mean accepted per round, speedup vs plain, the graphs the session
+captured inside its timed burst (0 unless a walk shape is first met there, whose eager walk and
+capture are then timed: the card flags it); the bound
 E / round time with E the tokens per round the timed rounds committed (so no point can read above
 it but by timing noise; the analytic E = (1 - alpha^(K+1)) / (1 - alpha), K + 1 at alpha = 1, is
 reported beside it) and round time = verify(K+1) + draft cost, and the fraction achieved; and, per real source, tokens/s
@@ -135,19 +137,23 @@ class TimedDrafter:
 def spec_run(model, prompt, drafter, tape: list[int], steps: int, k: int):
     """One greedy session: GRAPH_ROUNDS untimed rounds (the session's cache runs its verify walk
     eagerly once, then captures it), then a timed burst of at least `steps` tokens -> (ms of the
-    burst, SpecMetrics of its rounds); raises unless the session's output is the plain tape."""
+    burst, SpecMetrics of its rounds, graphs the cache captured inside the burst: a walk shape the
+    warm-up rounds did not meet, whose eager walk and capture the burst then paid); raises unless
+    the session's output is the plain tape."""
     session = SpecSession(model, prompt, drafter, max_ctx=len(prompt) + steps + (GRAPH_ROUNDS + 1) * (k + 1) + 8)
     out, _, _ = session.burst(1, k)  # the anchor: the prime's token
     while session.metrics.rounds < GRAPH_ROUNDS:
         out += session.burst(1, k)[0]
     session.metrics = SpecMetrics()
+    walks = session.cache.walks
+    captures = walks.captures
     ms, (more, _, _) = timed_call(partial(session.burst, steps, k), model.be)
     out += more
     if out != tape[:len(out)]:
         at = next(i for i, (a, b) in enumerate(zip(out, tape)) if a != b)
         raise MemraError(f"greedy speculative output left the plain tape at token {at} (k={k}, drafter "
                          f"{type(drafter).__name__}): spec decoding is broken; this benchmark is void")
-    return ms, session.metrics
+    return ms, session.metrics, walks.captures - captures
 
 
 def head_ms(model, drafter) -> float:
@@ -226,7 +232,7 @@ def profile_points(path: str, ks: list[int]) -> list[tuple[str, int, list[float]
 
 def point(model, prompt, tape, alpha, k, verify_ms, costs, plain_tps, args) -> dict:
     source = TapeSource(tape, alpha, model.cfg.vocab_size, args.seed + k)
-    ms, m = spec_run(model, prompt, source, tape, args.steps, k)
+    ms, m, captured = spec_run(model, prompt, source, tape, args.steps, k)
     tokens = m.rounds + m.num_accepted_tokens  # what the timed rounds committed
     # the bound takes the tokens per round the timed rounds really committed: against the analytic
     # E a short run's luck could read above 100 %
@@ -249,6 +255,7 @@ def point(model, prompt, tape, alpha, k, verify_ms, costs, plain_tps, args) -> d
         "speedup_vs_plain": tps / plain_tps, "verify_ms": verify_ms, "bound_tokens_per_s": bound,
         "fraction_of_bound": tps / bound,
         "ms_per_round_by_phase": {p: s * 1e3 / m.rounds for p, s in m.seconds.items()},
+        "captures_in_timed_burst": captured,
         "with_draft_cost": with_cost,
     }
 
@@ -273,7 +280,8 @@ def card(record: dict) -> list[str]:
         alpha = f"{r['alpha']:.2f}" if np.isscalar(r["alpha"]) else f"{r['profile']} profile"
         lines.append(f"  alpha={alpha} K={r['k']}  {r['tokens_per_s']:8.1f} tok/s x{r['speedup_vs_plain']:4.2f} "
                      f"plain  accepted/round {r['mean_accepted_per_round']:4.2f}  bound {r['bound_tokens_per_s']:8.1f} "
-                     f"({100 * r['fraction_of_bound']:5.1f}%){costs}")
+                     f"({100 * r['fraction_of_bound']:5.1f}%){costs}"
+                     + (f"  [{r['captures_in_timed_burst']} graph captures timed]" if r["captures_in_timed_burst"] else ""))
     return lines
 
 

@@ -349,6 +349,7 @@ class EagerWalks:
     walk(tokens, position, *arrays), `steps(key, fn)` = fn()."""
 
     enabled = False  # nothing to capture (the CUDA runner's switch, for callers that flip it)
+    captures = 0     # and none captured (WalkGraphs counts its own)
 
     def __init__(self, be):
         self.be = be

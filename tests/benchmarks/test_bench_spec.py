@@ -18,7 +18,7 @@ ARGS = ["--preset", "small", "--backend", "numpy", "--git-sha", "test", "--steps
         "--alphas", "0.5,1.0", "--ks", "1,3", "--context", "16", "--reps", "3"]
 POINT_KEYS = {"alpha", "k", "tokens", "ms", "tokens_per_s", "rounds", "mean_accepted_per_round",
               "expected_tokens_per_round", "realised_tokens_per_round", "speedup_vs_plain", "verify_ms", "bound_tokens_per_s",
-              "fraction_of_bound", "ms_per_round_by_phase", "with_draft_cost"}
+              "fraction_of_bound", "ms_per_round_by_phase", "captures_in_timed_burst", "with_draft_cost"}
 
 
 def test_bench_spec_prints_one_json_line_and_full_acceptance_accepts_every_draft(capsys):
@@ -38,6 +38,7 @@ def test_bench_spec_prints_one_json_line_and_full_acceptance_accepts_every_draft
     assert [(p["alpha"], p["k"]) for p in spec] == [(0.5, 1), (1.0, 1), (0.5, 3), (1.0, 3)]
     for p in spec:
         assert set(p) == POINT_KEYS and p["tokens"] >= 12 and p["bound_tokens_per_s"] > 0
+        assert p["captures_in_timed_burst"] == 0
         # the bound is taken at the acceptance the timed rounds realised, not the analytic one
         assert p["realised_tokens_per_round"] == p["tokens"] / p["rounds"]
         assert p["bound_tokens_per_s"] == pytest.approx(p["realised_tokens_per_round"] / p["verify_ms"] * 1e3)
@@ -117,8 +118,28 @@ def test_a_session_on_the_plain_tape_passes_the_identity_check():
     model = build_model("small", "numpy")
     tape, prompt = plain_tape(model, 12), random_tokens(model.cfg, 16, 0)
     source = bench_spec.TapeSource(tape, 0.7, model.cfg.vocab_size, seed=0)
-    _, metrics = bench_spec.spec_run(model, prompt, source, tape, 8, 3)
-    assert metrics.rounds > 0
+    _, metrics, captured = bench_spec.spec_run(model, prompt, source, tape, 8, 3)
+    assert metrics.rounds > 0 and captured == 0
+
+
+def test_a_graph_captured_inside_the_timed_burst_is_reported(monkeypatch):
+    """Red arm of the capture count: a walk runner that captures a graph at every walk (as a
+    walk shape first met in the burst does once) shows up in the count."""
+    from memra.backend.numpy_ref import EagerWalks
+
+    class Capturing(EagerWalks):
+        captures = 0
+
+        def run(self, key, walk, tokens, pos0, *arrays):
+            self.captures += 1
+            return super().run(key, walk, tokens, pos0, *arrays)
+
+    model = build_model("small", "numpy")
+    tape, prompt = plain_tape(model, 24), random_tokens(model.cfg, 16, 0)  # covers the burst's overshoot
+    monkeypatch.setattr(type(model.be), "walks", lambda be: Capturing(be))
+    source = bench_spec.TapeSource(tape, 1.0, model.cfg.vocab_size, seed=0)
+    _, metrics, captured = bench_spec.spec_run(model, prompt, source, tape, 8, 3)
+    assert captured == metrics.rounds  # one verify walk a round
 
 
 def test_output_off_the_tape_voids_the_run():

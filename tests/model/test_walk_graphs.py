@@ -70,6 +70,7 @@ def test_graph_decoding_is_eager_decoding_bit_for_bit_on_two_caches_in_turn(mode
     graphed = _greedy(model, list(zip(caches, prompts)))
     for cache in caches:
         assert list(cache.walks.graphs) == [(1, False, ())], "the decode walk was not captured"
+        assert cache.walks.captures == 1
     for e, g in zip(eager, graphed):
         assert _same(e, g)
 
@@ -88,7 +89,7 @@ def test_one_graph_serves_walks_on_both_sides_of_the_long_list_length_with_the_e
     cache = _cache(model, True)
     with counted_launches() as launches:
         graphed = _greedy(model, [(cache, prompt)], steps=8)
-    assert list(cache.walks.graphs) == [(1, False, ())]
+    assert list(cache.walks.graphs) == [(1, False, ())] and cache.walks.captures == 1
     assert launches["mla.mla_scores_h1p1"] and launches["mla.mla_scores_h2p2"]  # both guarded tiles
     assert _same(eager[0], graphed[0])
 

@@ -89,6 +89,7 @@ class WalkGraphs:
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
+        self.captures = 0  # graphs captured so far: a benchmark checks that none fell in its timed span
         self.seen: set = set()
         self.graphs: dict = {}
         self.fixed: dict = {}  # steps key -> (graph, its pool)
@@ -103,6 +104,7 @@ class WalkGraphs:
             return
         if key not in self.fixed:
             self.fixed[key] = capture(fn)[1:]
+            self.captures += 1
         self.fixed[key][0].launch()  # on the current stream
 
     def run(self, key, walk, tokens, pos0: int, *arrays):
@@ -114,4 +116,5 @@ class WalkGraphs:
         captured = self.graphs.get(key)
         if captured is None:
             captured = self.graphs[key] = CapturedWalk(walk, tokens, pos0, arrays)
+            self.captures += 1
         return captured.replay(tokens, pos0, arrays)

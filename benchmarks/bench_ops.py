@@ -133,8 +133,7 @@ def bench_mla(be, rng, roof: float, heads: int = 64, rank: int = 512, ctx: int =
     """memra's absorbed MLA decode attention against peers.mla_attend_torch (gather + einsum +
     softmax, fp32) on the same inputs: every row's list full (a row past index_topk), so memra
     scores on its long-list tile (the short-list one is launched too and returns at once, as in
-    a walk). Bytes counted: each query row's selected latent
-    rows, once."""
+    a walk). Bytes counted: each query row's selected latent rows, once."""
     from benchmarks.peers import max_rel_diff, mla_attend_torch
 
     scale = 0.0625

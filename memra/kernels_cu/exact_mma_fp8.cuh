@@ -166,7 +166,6 @@ static __device__ __forceinline__ void mma_steps_fp8(const unsigned char* const 
                     raw[half][j][h] = load_b16<FULL>(wrow[j][h], kb + 64 * half + 16 * q, n_in, w_aligned);
         if constexpr (ONE) stage_row(xrow[0], kb, *stage);
 #pragma unroll
-#pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int k = kb + 64 * half + 16 * q;
 #pragma unroll

@@ -33,11 +33,11 @@ static __device__ __forceinline__ float channel(const float4& v, int c) {
 // distinct bank quads) and a thread reads 4 channels of a row at once, so a step costs TH + TP
 // shared loads for 4 TH TP products where a thread per score took 8. A tile with no selected
 // position (all -1) returns at once.
-// guard lets one graph serve walks on both sides of a list length L (mla.py score_tiles): 0 runs;
-// +L runs only where every row's list holds at least L positions, -L only where one holds fewer
-// (a list is ascending and -1 padded, so that is its slot L - 1). The host launches the two tiles
-// with +L and -L, and exactly one of them scores: the tile changes no score, only the time.
 
+// guard lets one graph serve walks on both sides of a list length L (mla.py score_launches): 0
+// runs; +L runs only where every row's list holds at least L positions, -L only where one holds
+// fewer (a list is ascending and -1 padded, so that is its slot L - 1). The host launches the two
+// tiles with +L and -L, and exactly one of them scores: the tile changes no score, only the time.
 static __device__ __forceinline__ bool guard_passes(const int* positions, int W, int guard) {
     if (guard == 0) return true;
     const int L = guard > 0 ? guard : -guard;

@@ -133,7 +133,7 @@ PROJECTIONS(8, OUTS_PER_WARP_T8) PROJECTIONS(16, OUTS_PER_WARP_T16)
 // PREFETCH: mma_tile's two k-blocks in flight: the projection groups' 16-row tiles (at 8 rows
 // and at 1 the walk and the decode step ran slower with it; the per-head projections keep one,
 // whose registers would otherwise halve their blocks an SM).
-template <int NT, bool PREFETCH>
+template <int NT, bool PREFETCH, bool ONE = false>
 static __device__ void project_bf16(const float* x, const unsigned short* w, float* y, int t,
                                     int n_in, int n_out, long long x_stride, long long y_stride,
                                     long long w_stride, int tile) {
@@ -151,7 +151,7 @@ static __device__ void project_bf16(const float* x, const unsigned short* w, flo
 #pragma unroll
         for (int n = 0; n < NT; ++n)
             xrow[n] = 8 * n + g < nr ? x + (r0 + 8 * n + g) * x_stride : nullptr;
-        mma_tile<J, NT, true, PREFETCH>(wrow, xrow, n_in, w_aligned, x_aligned, sh);
+        mma_tile<J, NT, true, PREFETCH, ONE>(wrow, xrow, n_in, w_aligned, x_aligned, sh);
         for (int i = threadIdx.x; i < BF16_OUTS * nr; i += MMA_THREADS) {
             const int m = i % BF16_OUTS, n = i / BF16_OUTS;
             if (o0 + m < n_out) y[(r0 + n) * y_stride + o0 + m] = sh.tile[m][n];
@@ -288,6 +288,21 @@ static __device__ void group_block(const long long* table, int members, float* y
     }
 
 PROJECTION_GROUPS(1, 3, 2) PROJECTION_GROUPS(2, 2, 1)
+
+// linear_group_bf16_n1 for one row (a decode step): mma_tile's ONE tile, the same bits. Its own
+// kernel, so the 2..8-row walks keep the n1 kernel's registers (with the one-row loop beside its
+// checked loop, n1 spilled and its 8-row calls ran 1-3% slower).
+extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3)
+linear_group_bf16_one(const float* x, const long long* table, int members, float* y, float* part, int* counters,
+                      int t, int n_in) {
+    after_predecessor();
+    group_block(table, members, y, part, counters, t, n_in,
+                [&](const long long* f, float* out, int len, long long k0, int tile) {
+                    const unsigned short* w = reinterpret_cast<const unsigned short*>(f[G_W]);
+                    project_bf16<1, false, true>(x + k0, w + k0, out, t, len, (int)f[G_OUT], n_in, f[G_OUT], n_in,
+                                                 tile);
+                });
+}
 
 // y[i] = table[ids[i]]; grid (n_ids), block MEMRA_BLOCK. An id outside [0, vocab) gives a NaN
 // row (loud downstream) instead of an out-of-bounds read; host ids are checked before launch.

@@ -154,8 +154,22 @@ static __device__ __forceinline__ void mma_loads(const unsigned short* const (&w
     for (int n = 0; n < NT; ++n) load_x8(xrow[n], kb + 8 * q, n_in, x_aligned, xv[n]);
 }
 
-// One k-block's MMAs: each activation row split into its pieces, k-step 0 then 1, each step as
-// hi, mid, lo (the order the header states).
+// One activation column's MMAs of a k-block from its pieces' words p (split_pieces of the
+// lane's 8 activations), k-step 0 then 1, each step as hi, mid, lo (the order the header states).
+template <int J, int NT>
+static __device__ __forceinline__ void mma_pieces(float (&acc)[J][NT][4], const uint4 (&wv)[J][2], int n,
+                                                  const unsigned (&p)[3][4]) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int piece = 0; piece < 3; ++piece)
+#pragma unroll
+            for (int j = 0; j < J; ++j)
+                mma_bf16(acc[j][n], word(wv[j][0], 2 * s), word(wv[j][1], 2 * s), word(wv[j][0], 2 * s + 1),
+                         word(wv[j][1], 2 * s + 1), p[piece][2 * s], p[piece][2 * s + 1]);
+}
+
+// One k-block's MMAs: each activation row split into its pieces, then mma_pieces.
 template <int J, int NT>
 static __device__ __forceinline__ void mma_step(float (&acc)[J][NT][4], const uint4 (&wv)[J][2],
                                                 const float (&xv)[NT][8]) {
@@ -163,26 +177,54 @@ static __device__ __forceinline__ void mma_step(float (&acc)[J][NT][4], const ui
     for (int n = 0; n < NT; ++n) {
         unsigned p[3][4];
         split_pieces(xv[n], p);
+        mma_pieces<J, NT>(acc, wv, n, p);
+    }
+}
+
+template <typename T>
+static __device__ __forceinline__ const T* lane0_row(const T* row) {
+    return reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), 0));
+}
+
+// The pieces' words of a tile with one activation row (lane 0's): lane l splits in-feature kb + l
+// alone into shared memory, then lanes q < 4 (lane group 0, the row's B column) read words
+// 8q .. 8q + 7 of each piece: what split_pieces packs from the same 8 activations (element 2i in
+// the low half of word i), so the same bits, for a 32nd of the splitting a lane did. The other
+// lane groups are the padded columns: zeros, as a missing row reads.
+static __device__ __forceinline__ void one_row_pieces(const float* row, int kb, unsigned short (&stage)[3][MMA_KB],
+                                                      unsigned (&p)[3][4]) {
+    const int lane = threadIdx.x % MMA_WARP;
+    const float a = row[kb + lane];
+    const unsigned hi = __float_as_uint(a) & 0xffff0000u;
+    const float rest = a - __uint_as_float(hi);
+    const unsigned mid = __float_as_uint(rest) & 0xffff0000u;
+    const unsigned lo = __float_as_uint(rest - __uint_as_float(mid));
+    __syncwarp();  // every lane has read the previous k-block's words
+    stage[0][lane] = hi >> 16;
+    stage[1][lane] = mid >> 16;
+    stage[2][lane] = lo >> 16;
+    __syncwarp();
 #pragma unroll
-        for (int s = 0; s < 2; ++s)
-#pragma unroll
-            for (int piece = 0; piece < 3; ++piece)
-#pragma unroll
-                for (int j = 0; j < J; ++j)
-                    mma_bf16(acc[j][n], word(wv[j][0], 2 * s), word(wv[j][1], 2 * s),
-                             word(wv[j][0], 2 * s + 1), word(wv[j][1], 2 * s + 1),
-                             p[piece][2 * s], p[piece][2 * s + 1]);
+    for (int piece = 0; piece < 3; ++piece) {
+        const uint4 w = lane < 4 ? *reinterpret_cast<const uint4*>(&stage[piece][8 * lane]) : make_uint4(0, 0, 0, 0);
+        p[piece][0] = w.x; p[piece][1] = w.y; p[piece][2] = w.z; p[piece][3] = w.w;
     }
 }
 
 // STREAM: the kind of the weight loads (load_weights16); the bf16 gate|up expert tiles pass false.
 // PREFETCH: a k-block's loads are issued before the previous block's MMAs, so a warp keeps two
-// blocks in flight (the projection groups' 16-row tiles: 15-18% faster at the bench shapes, the
-// same bits); the expert tiles keep one (with two, their extra registers cost blocks an SM and
-// the experts ran 7-40% slower at 1, 8 and 15 rows).
-template <int J, int NT, bool STREAM = true, bool PREFETCH = false>
+// blocks in flight (the projection groups' 16-row tiles at 9 to 16 rows, the same bits); the
+// other tiles keep one (with two, their extra registers cost blocks an SM and the experts ran
+// 7-40% slower at 1, 8 and 15 rows).
+// ONE (NT = 1, no PREFETCH): a tile whose only activation row is lane 0's, whose weight rows are
+// all present and 16-byte aligned and whose in-features are whole k-blocks splits that row once
+// a k-block for the warp (one_row_pieces) and loads its weights unchecked; any other tile runs
+// the checked loop. Graph-timed at the bench shapes, the same bits: a one-row projection group
+// 2-10% faster, the experts 3-4% at 1 and 8 rows (most of 8 rows' experts serve one row).
+template <int J, int NT, bool STREAM = true, bool PREFETCH = false, bool ONE = false>
 static __device__ void mma_tile(const unsigned short* const (&wrow)[J][2], const float* const (&xrow)[NT],
                                 int n_in, bool w_aligned, bool x_aligned, MmaTile<J, NT>& sh) {
+    static_assert(!ONE || (NT == 1 && !PREFETCH), "a one-row tile has one activation column and one k-block in flight");
     const int warp = threadIdx.x / MMA_WARP, stride = MMA_SPLIT * MMA_KB;
     float acc[J][NT][4];
     mma_zero<J, NT>(acc);
@@ -203,6 +245,28 @@ static __device__ void mma_tile(const unsigned short* const (&wrow)[J][2], const
                 for (int e = 0; e < 8; ++e) xv[n][e] = xn[n][e];
         }
     } else {
+        if constexpr (ONE) {
+            bool present = true;
+#pragma unroll
+            for (int j = 0; j < J; ++j) present = present && wrow[j][0] != nullptr && wrow[j][1] != nullptr;
+            const float* x0 = lane0_row(xrow[0]);
+            const bool lone = threadIdx.x % MMA_WARP < 4 || xrow[0] == nullptr;  // lane group 0 or a padded column
+            if (__all_sync(0xffffffffu, present && lone) && x0 != nullptr && w_aligned && n_in % MMA_KB == 0) {
+                __shared__ __align__(16) unsigned short stage[MMA_SPLIT][3][MMA_KB];
+                const int q = threadIdx.x % MMA_WARP % 4;
+                for (int kb = warp * MMA_KB; kb < n_in; kb += stride) {
+#pragma unroll
+                    for (int j = 0; j < J; ++j)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) wv[j][h] = load_weights16<STREAM>(wrow[j][h] + kb + 8 * q);
+                    unsigned p[3][4];
+                    one_row_pieces(x0, kb, stage[warp], p);
+                    mma_pieces<J, NT>(acc, wv, 0, p);
+                }
+                mma_tile_reduce<J, NT>(acc, sh);
+                return;
+            }
+        }
         for (int kb = warp * MMA_KB; kb < n_in; kb += stride) {
             mma_loads<J, NT, STREAM>(wrow, xrow, kb, n_in, w_aligned, x_aligned, wv, xv);
             mma_step<J, NT>(acc, wv, xv);

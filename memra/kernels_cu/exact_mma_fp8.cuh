@@ -223,17 +223,13 @@ static __device__ __forceinline__ void mma_steps_fp8(const unsigned char* const 
 // lane 0's first row, which every tile has (its first weight row, its pass's first activation
 // row), and a missing 16-row block the first block's scales. Such a row's MMA row or column is
 // never stored, and an MMA's output row m (column n) depends on its A row m (B column n) only,
-// so what it reads there changes nothing that is kept. (The bf16 tile keeps its checked loads:
-// unchecked, its large projections ran 13% slower.)
+// so what it reads there changes nothing that is kept. (The bf16 tile keeps its checked loads
+// but in its one-row case, exact_mma.cuh's ONE: unchecked, its tiles of several rows ran its large
+// projections 13% slower, and again 4-13% at 1 and 8 rows when re-measured.)
 template <typename T, int N>
 static __device__ __forceinline__ void present_rows(const T* const (&in)[N], const T* first, const T* (&out)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = in[i] != nullptr ? in[i] : first;
-}
-
-template <typename T>
-static __device__ __forceinline__ const T* lane0_row(const T* row) {
-    return reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), 0));
 }
 
 // One tile: tile[m][n] = sum over blocks b of scale_j[b] * (w_m . x_n over block b) for the

@@ -237,7 +237,7 @@ extern "C" __global__ void moe_expert_list(const long long* idx, int n, int E, i
 }
 
 #define EXPERTS_BF16(NT)                                                                           \
-    extern "C" __global__ void moe_gate_up_bf16_n##NT(const float* x, const long long* idx,        \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 4 - NT) moe_gate_up_bf16_n##NT(const float* x, const long long* idx,        \
                                                       const int* list, const int* listed,          \
                                                       const unsigned short* gw,                    \
                                                       const unsigned short* uw, float* h, int t,   \
@@ -245,7 +245,7 @@ extern "C" __global__ void moe_expert_list(const long long* idx, int n, int E, i
         after_predecessor();                                                                       \
         gate_up_bf16<NT>(x, idx, list, listed, gw, uw, h, t, k, I, D, limit);                      \
     }                                                                                              \
-    extern "C" __global__ void moe_down_bf16_n##NT(const float* h, const long long* idx,           \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 4 - NT) moe_down_bf16_n##NT(const float* h, const long long* idx,           \
                                                    const int* list, const int* listed,             \
                                                    const unsigned short* dw, float* y, int t,      \
                                                    int k, int I, int D) {                          \

@@ -120,7 +120,7 @@ static __device__ void gate_up_bf16(const float* x, const long long* idx, const 
         wrow[1][hh] = i < I ? up_w + off : nullptr;
     }
     auto mma = [&](const float* const (&xrow)[NT], MmaTile<2, NT>& sh) {
-        mma_tile<2, NT, false>(wrow, xrow, D, w_aligned, x_aligned, sh);
+        mma_tile<2, NT, false, false, NT == 1>(wrow, xrow, D, w_aligned, x_aligned, sh);
     };
     expert_passes<2, NT>(idx, t * k, e, x, k, D, mma, [&](int nr, const int* pairs, const auto& tile) {
         store_swiglu(tile, nr, pairs, h, i0, I, limit);
@@ -140,7 +140,7 @@ static __device__ void down_bf16(const float* h, const long long* idx, const int
 #pragma unroll
     for (int j = 0; j < J; ++j) mma_rows(down_w + (long long)e * D * I, c0 + 16 * j, D, I, wrow[j]);
     auto mma = [&](const float* const (&xrow)[NT], MmaTile<J, NT>& sh) {
-        mma_tile<J, NT, NT == 1>(wrow, xrow, I, w_aligned, x_aligned, sh);
+        mma_tile<J, NT, NT == 1, false, NT == 1>(wrow, xrow, I, w_aligned, x_aligned, sh);
     };
     expert_passes<J, NT>(idx, t * k, e, h, 1, I, mma, [&](int nr, const int* pairs, const auto& tile) {
         store_down(tile, nr, pairs, y, c0, D);

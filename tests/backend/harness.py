@@ -298,3 +298,24 @@ class OpGates:
         i = flat.size // 2
         flat[i] = np.nextafter(flat[i], np.inf) if flat.dtype.kind == "f" else flat[i] + 1
         assert mismatched_rows(full, alone) == [(9, 0)]
+
+
+def mutated_launch(monkeypatch, tmp_path, header: str, exact: str, broken: str, family: str):
+    """A launch(family, name, ...) of the family's kernels compiled from a copy of kernels_cu in
+    tmp_path whose `header` has `exact` replaced by `broken` (a red arm's mutant kernel)."""
+    from memra.backend.cuda import runtime
+
+    for src in runtime.kernel_dir().iterdir():
+        if src.name.endswith((".cu", ".cuh")):
+            (tmp_path / src.name).write_text(src.read_text())
+    text = (tmp_path / header).read_text()
+    assert exact in text, f"{header} changed: update the mutation"
+    (tmp_path / header).write_text(text.replace(exact, broken))
+    with monkeypatch.context() as m:
+        m.setattr(runtime, "kernel_dir", lambda: tmp_path)
+        mutated = getattr(runtime.module, "__wrapped__", runtime.module)(family)
+
+    def launch(fam, name, grid, block, args, shared_mem=0):
+        assert fam == family, fam
+        mutated.get_function(name)(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+    return launch

@@ -23,7 +23,7 @@ from tests.gpu import cupy_or_skip
 pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
-from memra.backend.cuda import dense, moe, prime, runtime  # noqa: E402
+from memra.backend.cuda import dense, moe, prime  # noqa: E402
 from memra.backend.cuda.backend import CudaBackend  # noqa: E402
 from memra.backend.cuda.dense import DenseOps  # noqa: E402
 from memra.backend.cuda.fp8 import DeviceFp8  # noqa: E402
@@ -31,7 +31,7 @@ from memra.backend.cuda.moe import MoeOps  # noqa: E402
 from memra.backend.fp8 import E4M3_TO_F32, NAN_CODES, Fp8Block, dequantize, f32_to_e4m3, quantize  # noqa: E402
 from memra.safetensors_io import f32_to_bf16  # noqa: E402
 from tests.backend.harness import (  # noqa: E402
-    NUMPY, ROWS, OpGates, RedArm, assert_matches_numpy, draw, row_mismatches, split_dot, table)
+    NUMPY, ROWS, OpGates, RedArm, assert_matches_numpy, draw, mutated_launch, row_mismatches, split_dot, table)
 from memra.limits import VERIFY_CAP  # noqa: E402
 from tests.backend.inputs import normal, uniform  # noqa: E402
 from tests.backend.test_cuda_prime import PRIME_REL, _rel_error  # noqa: E402
@@ -169,7 +169,7 @@ def _tile_mutants(monkeypatch, tmp_path, exact: str, broken: str) -> dict:
     mutants = {}
     for fam in ("dense", "moe"):
         (tmp_path / fam).mkdir()
-        mutants[fam] = _mutated_launch(monkeypatch, tmp_path / fam, "exact_mma_fp8.cuh", exact, broken, fam)
+        mutants[fam] = mutated_launch(monkeypatch, tmp_path / fam, "exact_mma_fp8.cuh", exact, broken, fam)
     return mutants
 
 
@@ -251,7 +251,7 @@ def test_every_e4m3_code_widens_to_its_value(rows):
 ])
 def test_red_arm_a_lost_sign_bit_fails_the_code_table(monkeypatch, tmp_path, rows, family, header, exact, broken):
     block, x, want = _every_code()
-    launch = _mutated_launch(monkeypatch, tmp_path, header, exact, broken, family)
+    launch = mutated_launch(monkeypatch, tmp_path, header, exact, broken, family)
     with monkeypatch.context() as m:
         m.setattr(dense if family == "dense" else prime, "launch", launch)
         got = _read_codes(x, block, rows)
@@ -308,23 +308,6 @@ def test_fp8_pieces_add_back_to_the_dequantized_weight(shape):
     assert np.array_equal(planes[0], (want.view(np.uint32) >> 16).astype(np.uint16))  # hi: the truncation
 
 
-def _mutated_launch(monkeypatch, tmp_path, header, exact, broken, family):
-    for src in runtime.kernel_dir().iterdir():
-        if src.name.endswith((".cu", ".cuh")):
-            (tmp_path / src.name).write_text(src.read_text())
-    text = (tmp_path / header).read_text()
-    assert exact in text, f"{header} changed: update the mutation"
-    (tmp_path / header).write_text(text.replace(exact, broken))
-    with monkeypatch.context() as m:
-        m.setattr(runtime, "kernel_dir", lambda: tmp_path)
-        mutated = getattr(runtime.module, "__wrapped__", runtime.module)(family)
-
-    def launch(fam, name, grid, block, args, shared_mem=0):
-        assert fam == family, fam
-        mutated.get_function(name)(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
-    return launch
-
-
 MUTATIONS = {
     "two_piece_split": ("exact_mma.cuh", "bits[2][e] = __float_as_uint(rest - __uint_as_float(mid));",
                         "bits[2][e] = 0u;"),
@@ -336,7 +319,7 @@ MUTATIONS = {
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_red_arm_the_identity_gate_catches_a_broken_fp8_kernel(monkeypatch, tmp_path, mutation):
     block, x, want = _identity(1029, [1.0, 0.5, 4.0, 0.125])
-    launch = _mutated_launch(monkeypatch, tmp_path, *MUTATIONS[mutation], "dense")
+    launch = mutated_launch(monkeypatch, tmp_path, *MUTATIONS[mutation], "dense")
     with monkeypatch.context() as m:
         m.setattr(dense, "launch", launch)
         got = cp.asnumpy(Fp8Ops().linear(cp.asarray(x), Fp8Ops().matrix(block)))
@@ -347,7 +330,7 @@ def test_red_arm_the_identity_gate_catches_a_broken_fp8_kernel(monkeypatch, tmp_
 def test_red_arm_one_scale_per_row_fails_the_expert_numpy_gate(monkeypatch, tmp_path):
     """The experts share the tile: block 0's scale everywhere misses the twin's bound."""
     c = next(c for c in CASES if c.name == "moe_experts_fp8_wide")
-    launch = _mutated_launch(monkeypatch, tmp_path, *MUTATIONS["one_scale_per_row"], "moe")
+    launch = mutated_launch(monkeypatch, tmp_path, *MUTATIONS["one_scale_per_row"], "moe")
     with monkeypatch.context() as m:
         m.setattr(moe, "launch", launch)
         with pytest.raises(AssertionError):

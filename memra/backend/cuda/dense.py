@@ -147,9 +147,17 @@ def _project(x, ws, kind: str) -> list:
     outs = [y[a:b].reshape(t, n) for a, b, n in zip(starts[:-1], starts[1:], group.n_outs)]
     if t and group.blocks:
         part = cp.empty(max(t * group.parts, 1), cp.float32)
-        launch("dense", f"linear_group_{kind}_n{1 if t <= 8 else 2}", (group.blocks,), (BLOCK,),
+        launch("dense", _group_kernel(kind, t), (group.blocks,), (BLOCK,),
                (x, group.table, i32(len(ws)), y, part, _counters(), i32(t), i32(n_in)))
     return outs
+
+
+def _group_kernel(kind: str, t: int) -> str:
+    """The projection group kernel of t rows: one row has its own bf16 kernel (dense.cu's
+    linear_group_bf16_one); the bits are the same whichever runs."""
+    if kind == "bf16" and t == 1:
+        return "linear_group_bf16_one"
+    return f"linear_group_{kind}_n{1 if t <= 8 else 2}"
 
 
 def _linear_f32(x, w):

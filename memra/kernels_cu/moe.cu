@@ -236,19 +236,19 @@ extern "C" __global__ void moe_expert_list(const long long* idx, int n, int E, i
     if (threadIdx.x == 0) *count = listed;
 }
 
+// The launch bounds keep three blocks an SM for a pass of 8 rows (NT = 1): with the one-row loop
+// beside the checked one (exact_mma.cuh's ONE) the down tile took 81 registers, which left two.
 #define EXPERTS_BF16(NT)                                                                           \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 4 - NT) moe_gate_up_bf16_n##NT(const float* x, const long long* idx,        \
-                                                      const int* list, const int* listed,          \
-                                                      const unsigned short* gw,                    \
-                                                      const unsigned short* uw, float* h, int t,   \
-                                                      int k, int I, int D, float limit) {          \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 4 - NT)                              \
+    moe_gate_up_bf16_n##NT(const float* x, const long long* idx, const int* list, const int* listed, \
+                           const unsigned short* gw, const unsigned short* uw, float* h, int t,    \
+                           int k, int I, int D, float limit) {                                     \
         after_predecessor();                                                                       \
         gate_up_bf16<NT>(x, idx, list, listed, gw, uw, h, t, k, I, D, limit);                      \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 4 - NT) moe_down_bf16_n##NT(const float* h, const long long* idx,           \
-                                                   const int* list, const int* listed,             \
-                                                   const unsigned short* dw, float* y, int t,      \
-                                                   int k, int I, int D) {                          \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 4 - NT)                              \
+    moe_down_bf16_n##NT(const float* h, const long long* idx, const int* list, const int* listed,  \
+                        const unsigned short* dw, float* y, int t, int k, int I, int D) {          \
         after_predecessor();                                                                       \
         down_bf16<NT>(h, idx, list, listed, dw, y, t, k, I, D);                                    \
     }

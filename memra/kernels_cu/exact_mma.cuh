@@ -220,7 +220,7 @@ static __device__ __forceinline__ void one_row_pieces(const float* row, int kb, 
 // all present and 16-byte aligned and whose in-features are whole k-blocks splits that row once
 // a k-block for the warp (one_row_pieces) and loads its weights unchecked; any other tile runs
 // the checked loop. Graph-timed at the bench shapes, the same bits: a one-row projection group
-// 2-10% faster, the experts 3-4% at 1 and 8 rows (most of 8 rows' experts serve one row).
+// 1-9% faster, the experts 4% at 1 row and 2% at 8 (most of 8 rows' experts serve one row).
 template <int J, int NT, bool STREAM = true, bool PREFETCH = false, bool ONE = false>
 static __device__ void mma_tile(const unsigned short* const (&wrow)[J][2], const float* const (&xrow)[NT],
                                 int n_in, bool w_aligned, bool x_aligned, MmaTile<J, NT>& sh) {

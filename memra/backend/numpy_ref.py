@@ -50,6 +50,19 @@ def _rmsnorm_row(x: np.ndarray, eps: float) -> np.ndarray:
     return (x * (F32(1) / np.sqrt(np.mean(x * x, dtype=F32) + F32(eps)))).astype(F32)
 
 
+class Inline:
+    """NumpyBackend.beside's context: fn has run by the time it is made."""
+
+    def __init__(self, fn):
+        self.result = fn()
+
+    def __enter__(self) -> "Inline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 class NumpyBackend(NumpyHyperOps, NumpyKdaOps, NumpyDraftOps, NumpyFilterOps):
     """Reference implementation of the backend interface (runs everywhere, used by CI)."""
 
@@ -69,6 +82,12 @@ class NumpyBackend(NumpyHyperOps, NumpyKdaOps, NumpyDraftOps, NumpyFilterOps):
     def synchronize(self) -> None:
         """Wait until every op issued so far has finished (CUDA: queued device work); a timer
         reads its clock after this. Host ops finish before they return: nothing to wait for."""
+
+    def beside(self, fn, t: int) -> "Inline":
+        """fn()'s ops for t rows, run beside the ops issued inside the returned context; its
+        `result` after the block (CUDA: a side stream joined at the block's end, for walks of
+        exact-class rows). The caller's ops must not need fn's, nor fn's theirs. Here: at once."""
+        return Inline(fn)
 
     # ---- memory ----------------------------------------------------------------------------
     def asarray(self, a, dtype=F32) -> np.ndarray:

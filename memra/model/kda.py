@@ -63,14 +63,19 @@ class KdaMixer:
         c = hk * dk
         raw, f_low, beta_in, gate_low = be.linears(x, (self.qkv, self.f_a, self.b_proj, self.g_a))
         ring_rows, marks, record = st.snapshots() if snapshots else (None, None, None)
-        mixed = be.short_conv(raw, st.ring, self.conv, ring_rows, groups=3)  # [3, t, c]: q, k, v
-        q = be.l2norm(mixed[0].reshape(t, hk, dk), 1e-6, scale=dk ** -0.5)
-        k = be.l2norm(mixed[1].reshape(t, hk, dk), 1e-6)
-        v = mixed[2].reshape(t, hk, dk)
-        f = be.linear(f_low, self.f_b).reshape(t, hk, dk)
-        g = be.kda_gate(f, self.a_log, self.dt_bias, self.cfg.linear_lower_bound)
-        beta = be.sigmoid(beta_in)
-        o = be.kda_recurrence(q, k, v, g, beta, st.state, marks, record)
-        gate = be.linear(gate_low, self.g_b).reshape(t, hk, dk)
+        # the gates' chain (small kernels each) runs beside the conv and the norms
+        with be.beside(lambda: self._gates(f_low, beta_in, gate_low), t) as gates:
+            mixed = be.short_conv(raw, st.ring, self.conv, ring_rows, groups=3)  # [3, t, c]: q, k, v
+            q = be.l2norm(mixed[0].reshape(t, hk, dk), 1e-6, scale=dk ** -0.5)
+            k = be.l2norm(mixed[1].reshape(t, hk, dk), 1e-6)
+        g, beta, gate = gates.result
+        o = be.kda_recurrence(q, k, mixed[2].reshape(t, hk, dk), g, beta, st.state, marks, record)
         o = be.gated_rmsnorm(o, gate, self.o_norm, self.cfg.rms_norm_eps)
         return be.linear(o.reshape(t, c), self.o_proj)
+
+    def _gates(self, f_low, beta_in, gate_low):
+        """(g, beta, gate): the per-channel log-decay, sigmoid(beta_in) and the output gate."""
+        be, shape = self.be, (f_low.shape[0], self.heads, self.dk)
+        g = be.kda_gate(be.linear(f_low, self.f_b).reshape(shape), self.a_log, self.dt_bias,
+                        self.cfg.linear_lower_bound)
+        return g, be.sigmoid(beta_in), be.linear(gate_low, self.g_b).reshape(shape)

@@ -235,6 +235,7 @@ def test_row_table_covers_every_row_op_of_the_backend():
     no_row_axis = {"asarray", "weight", "matrix", "zeros", "to_host", "to_host_async", "concat", "contiguous", "copy",
                    "assign", "race_draw", "name", "position", "walks",
                    "xp", "compiles_on_first_use", "device_name", "synchronize",  # capabilities
+                   "beside",  # runs a caller's ops (their own rows): tests/backend/test_cuda_beside.py
                    "write_rows", "kpool_finalize",  # plane writes: tests/model/test_plane_writes.py
                    "short_conv", "kda_recurrence",  # the stateful table below
                    "kda_replay",  # a rollback's state walk: tests/backend/test_kda_snapshots.py

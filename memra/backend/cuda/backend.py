@@ -26,9 +26,12 @@ from memra.backend.cuda.mla import MlaOps
 from memra.backend.cuda.moe import MoeOps
 from memra.backend.cuda.norm import NormOps
 from memra.backend.cuda.philox import PhiloxOps
+from memra.backend.cuda.prime import is_prime
 from memra.backend.cuda.runtime import position
 from memra.backend.cuda.sampling import FilterOps
+from memra.backend.cuda.streams import Beside
 from memra.backend.fp8 import Fp8Block
+from memra.backend.numpy_ref import Inline
 from memra.safetensors_io import bf16_to_f32
 
 
@@ -43,6 +46,12 @@ class CudaBackend(DenseOps, DraftOps, FilterOps, NormOps, HyperOps, KdaOps, MlaO
 
     def __init__(self, graphs: bool = True):
         self.graphs = graphs
+
+    def beside(self, fn, t: int):
+        """NumpyBackend.beside: fn's launches on a side stream (streams.Beside) for a walk of
+        exact-class rows, where both branches are chains of small kernels; in line for a prompt
+        (its ops are GEMMs that fill the GPU alone, and cuBLAS calls stay on one stream)."""
+        return Inline(fn) if is_prime(t) else Beside(fn)
 
     def device_name(self) -> str:
         try:

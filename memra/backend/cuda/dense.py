@@ -31,6 +31,7 @@ import cupy as cp
 from memra.backend.cuda.fp8 import DeviceFp8
 from memra.backend.cuda.prime import is_prime, pieces, prime_head_linear, prime_linear
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, check, f32, i32, launch, position, weight_kind
+from memra.backend.cuda.streams import on_side
 from memra.errors import InputError
 from memra.kernels_cu.constants import BF16_OUTS, OUTS_PER_WARP, SPLIT_KC, WARPS_PER_BLOCK
 from memra.limits import VERIFY_CAP
@@ -103,8 +104,9 @@ _CAPTURING = contextvars.ContextVar("split_k_counters", default=None)
 
 def split_k_counters():
     """Zeroed split-K tile counters for a graph about to be captured, which keeps them (its
-    replays run on whatever stream launches them); `with graph_counters(c):` around the capture."""
-    return cp.zeros(COUNTERS, cp.int32)
+    replays run on whatever stream launches them); `with graph_counters(c):` around the capture.
+    Two halves: the main stream's and the side streams' (streams.py), whose launches may overlap."""
+    return cp.zeros(2 * COUNTERS, cp.int32)
 
 
 @contextlib.contextmanager
@@ -124,7 +126,7 @@ def _counters():
     on its stream's. A stream's entry keeps the stream, so no later stream reuses the handle."""
     captured = _CAPTURING.get()
     if captured is not None:
-        return captured
+        return captured[COUNTERS:] if on_side() else captured[:COUNTERS]
     stream = cp.cuda.get_current_stream()
     key = (cp.cuda.Device().id, stream.ptr)
     if key not in _COUNTERS:

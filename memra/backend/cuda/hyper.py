@@ -9,12 +9,11 @@ stream_mean on cupy arrays. Exact class: each output's sums run in a fixed order
 
 from __future__ import annotations
 
-import functools
-
 import cupy as cp
 
 from memra.backend.cuda.prime import is_prime, prime_hc_partials
 from memra.backend.cuda.runtime import BLOCK, columns_grid, device_input, f32, i32, launch
+from memra.backend.cuda.streams import fork
 from memra.kernels_cu.constants import HC_CHUNK, HC_MAX_N, HC_ROWS, HC_SLOTS
 
 
@@ -40,10 +39,8 @@ class HyperOps:
             return self.hc_combine(streams, block(self.hc_collapse(streams, pre)), post, comb)
         part = _partials(streams, fn)  # read by the side stream: alive until the join below
         pre, post, comb = _site_weights(t, n)
-        main, side = cp.cuda.get_current_stream(), _side_stream(cp.cuda.Device().id)
-        forked, mixed = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
-        forked.record(main)
-        side.wait_event(forked)
+        main, side = fork("mix")
+        mixed = cp.cuda.Event(disable_timing=True)
         with side:
             _mix(part, base, scale, pre, post, comb, d, rms_eps, hc_eps, iters)
         mixed.record(side)
@@ -130,10 +127,3 @@ def _mix(part, base, scale, pre, post, comb, d: int, rms_eps: float, hc_eps: flo
 def _join(main, mixed) -> None:
     """main waits for the side stream's mix (hc_combine reads comb and post next)."""
     main.wait_event(mixed)
-
-
-@functools.cache
-def _side_stream(device: int) -> "cp.cuda.Stream":
-    """The stream hc_site's Sinkhorn mixes run on, one per device."""
-    with cp.cuda.Device(device):
-        return cp.cuda.Stream(non_blocking=True)

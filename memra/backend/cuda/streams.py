@@ -1,0 +1,73 @@
+"""Side streams: launches that run beside the main stream's, forked from it and joined back by
+events. In a captured walk the fork and the join are graph edges, so a replay runs the two
+branches at once: a chain of small latency-bound kernels hides behind another one.
+
+    with be.beside(lambda: be.linear(a, w), t) as side:   # forked: runs beside what follows
+        y = be.rmsnorm(b, v, eps)
+    z = side.result                                       # joined: later launches wait for it
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cupy as cp
+
+LANES = ("mix", "beside")  # hc_site's Sinkhorn mixes; Beside. Each its own stream: neither waits on the other
+
+
+@functools.cache
+def side_stream(device: int, lane: str) -> "cp.cuda.Stream":
+    """The side stream of `lane` on a device."""
+    assert lane in LANES, f"side stream lane {lane!r}, one of {LANES}"
+    with cp.cuda.Device(device):
+        return cp.cuda.Stream(non_blocking=True)
+
+
+def on_side() -> bool:
+    """Whether launches now go to a side stream (they count split-K tiles apart: dense.py)."""
+    current, device = cp.cuda.get_current_stream().ptr, cp.cuda.Device().id
+    return any(current == side_stream(device, lane).ptr for lane in LANES)
+
+
+def fork(lane: str) -> tuple["cp.cuda.Stream", "cp.cuda.Stream"]:
+    """(main, side): the side stream of `lane` waits for everything launched on main so far."""
+    main, side = cp.cuda.get_current_stream(), side_stream(cp.cuda.Device().id, lane)
+    forked = cp.cuda.Event(disable_timing=True)
+    forked.record(main)
+    side.wait_event(forked)
+    return main, side
+
+
+class Beside:
+    """fn() launched on the "beside" side stream, after everything launched so far; leaving the
+    `with` block makes the main stream wait for it (always, as does fn raising: a capture must
+    never end forked), and `result` is then fn's return. fn's arrays stay referenced until the
+    join: the main stream must not reuse their memory while the side stream may still read it."""
+
+    def __init__(self, fn):
+        self._main, self._side = fork("beside")
+        self._fn = fn
+        try:
+            with self._side:
+                self._value = fn()
+        except BaseException:
+            self._join()
+            raise
+
+    def _join(self) -> None:
+        done = cp.cuda.Event(disable_timing=True)
+        done.record(self._side)
+        self._main.wait_event(done)
+        self._fn = None
+
+    def __enter__(self) -> "Beside":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._join()
+
+    @property
+    def result(self):
+        assert self._fn is None, "Beside.result before the join: read it after the with block"
+        return self._value

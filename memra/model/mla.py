@@ -79,15 +79,12 @@ class MlaMixer:
         h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         q_low, kv_low, *indexed = be.linears(x, self.x_weights)
         qr = be.rmsnorm(q_low, self.q_a_norm, cfg.rms_norm_eps)
-
-        def latent_and_selection():  # the cache rows and the indexer's chain: beside the query's projections
-            be.write_rows(plane.latent, be.rmsnorm(kv_low, self.kv_a_norm, cfg.rms_norm_eps), at)
-            return selection if self.indexer is None else self.indexer(indexed, qr, plane, at)
-
-        with be.beside(latent_and_selection, t) as written:
-            q_lat = be.head_linear(be.linear(qr, self.q_b).reshape(t, h, dn), self.w_uk_t)
+        q = be.linear(qr, self.q_b).reshape(t, h, dn)
+        be.write_rows(plane.latent, be.rmsnorm(kv_low, self.kv_a_norm, cfg.rms_norm_eps), at)
+        if self.indexer is not None:
+            selection = self.indexer(indexed, qr, plane, at)
         # the whole plane: the selection names only positions below the walk's last row; the
         # plane holds the walk's first position's rows (LatentPlane.check), so its length is pos0
-        o_lat = be.mla_attend(q_lat, plane.latent, written.result, self.scale)
+        o_lat = be.mla_attend(be.head_linear(q, self.w_uk_t), plane.latent, selection, self.scale)
         o = be.head_linear(o_lat, self.w_uv).reshape(t, h * dv)
-        return be.linear(o, self.o_proj), written.result
+        return be.linear(o, self.o_proj), selection

@@ -1,5 +1,5 @@
 """CudaBackend.beside on the GPU: work on a side stream, joined back at the end of its block
-(backend/cuda/streams.py), as the KDA and MLA mixers use it.
+(backend/cuda/streams.py), as the KDA mixer uses it.
 
 * The work runs on the side stream, and its result is the same bits as run in line; a prompt's
   rows (the prime class) run in line.

@@ -21,9 +21,10 @@ from tests.gpu import cupy_or_skip
 pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
-from memra.backend.cuda import hyper, streams  # noqa: E402
+from memra.backend.cuda import hyper  # noqa: E402
 from memra.backend.cuda.backend import CudaBackend  # noqa: E402
 from memra.backend.cuda.graphs import CapturedWalk  # noqa: E402
+from memra.backend.cuda.streams import side_stream  # noqa: E402
 from tests.backend.inputs import normal, uniform  # noqa: E402
 
 RMS_EPS, HC_EPS = 1e-5, 1e-6
@@ -91,7 +92,7 @@ def test_hc_combine_waits_for_the_side_streams_mix(be, monkeypatch, joined):
     cp.cuda.Device().synchronize()
     if not joined:
         monkeypatch.setattr(hyper, "_join", lambda main, mixed: None)
-    with streams.side_stream(cp.cuda.Device().id, "mix"):
+    with side_stream(cp.cuda.Device().id, "mix"):
         SPIN((1,), (1,), (np.int64(20_000_000),))  # ~10 ms: the mix runs long after the combine
     got = cp.asnumpy(be.hc_site(streams, *weights, RMS_EPS, HC_EPS, iters, block))
     cp.cuda.Device().synchronize()

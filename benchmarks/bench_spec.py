@@ -3,14 +3,17 @@ and against the bound its realised acceptance allows.
 
     python benchmarks/bench_spec.py --preset bench --backend cuda --git-sha SHA \
         [--out F] [--steps 512] [--context 512] [--alphas 0.5,0.7,0.9,1.0] [--ks 1,3,5,7] [--reps 10]
-        [--profile ACCEPT.json] [--trim N]
+        [--profile ACCEPT.json] [--trim N] [--draft-steps 128]
 
 Greedy only. After a --context-token prompt: the plain greedy tape and plain tokens/s (a
 PlainSession's burst, one step ahead of the host, timed by wall clock as the spec points are; its
 tokens must be the tape; `ms_per_step` beside it is one synchronous step); for each K
-the verify time of K+1 rows (median of --reps walks, each rewound) and the real per-round draft
-cost of native-mtp (when the preset has an MTP block) and of a dflash2 fixture drafter built for
-the preset (median propose() time over a real session of --steps tokens), native-mtp's lm head
+the verify time of K+1 rows (median of --reps walks, each rewound) and, at each forced alpha, the
+real per-round draft cost of native-mtp (when the preset has an MTP block) and of a dflash2
+fixture drafter built for the preset: the median propose() time over a session of --draft-steps
+tokens in which the source drafts every round but the round's drafts are TapeSource's
+(`ForcedDrafter`), so the source keeps what a round at alpha keeps and its next propose pays for
+it (native-mtp's first step feeds every kept row: K + 1 of them at alpha = 1); native-mtp's lm head
 alone (one row, the part of each draft step an FR-Spec trim cuts; with --trim N also native-mtp
 with its draft head trimmed to N token ids, costed as a source of its own), and per source one propose()
 at its largest K under the kernel profiler (GPU kernel time against the call's span: what the
@@ -134,6 +137,44 @@ class TimedDrafter:
         return state
 
 
+class ForcedDrafter:
+    """A loaded draft source run at a forced acceptance: each round its own propose(k) runs (timed
+    when it is a TimedDrafter) on its own state, then the round drafts what `TapeSource` would, so
+    the verify accepts as at alpha and the source commits the rows a round at alpha keeps. Its
+    cost follows the acceptance: native-mtp's next round feeds every kept row (K + 1 at alpha = 1)
+    through its first step, which a round that kept one row does not.
+
+        timed = TimedDrafter(source.load(model), model.be)
+        spec_run(model, prompt, ForcedDrafter(timed, TapeSource(tape, 1.0, vocab, 0)), tape, 128, 7)
+    """
+
+    def __init__(self, inner, tape: TapeSource):
+        self.inner, self.tape = inner, tape
+        self.max_k, self.tap_layers = inner.max_k, inner.tap_layers
+
+    def begin(self, start):
+        return _ForcedState(self.inner.begin(start), self.tape.begin(start))
+
+
+class _ForcedState:
+    def __init__(self, state, tape: TapeSource):
+        self.state, self.tape = state, tape
+
+    def propose(self, k: int, sampling=None) -> Proposal:
+        self.state.propose(k, sampling)  # the source's cost; its drafts are not the round's
+        return self.tape.propose(k)
+
+    def commit(self, outcome) -> None:
+        self.state.commit(outcome)
+        self.tape.commit(outcome)
+
+
+def alpha_key(alpha) -> str:
+    """The key of an acceptance in the record's draft costs: the rate ("0.7"), or "profile" for a
+    bench_accept profile (costed for its own source only)."""
+    return f"{alpha:g}" if np.isscalar(alpha) else "profile"
+
+
 def spec_run(model, prompt, drafter, tape: list[int], steps: int, k: int):
     """One greedy session: GRAPH_ROUNDS untimed rounds (the session's cache runs its verify walk
     eagerly once, then captures it), then a timed burst of at least `steps` tokens -> (ms of the
@@ -150,7 +191,7 @@ def spec_run(model, prompt, drafter, tape: list[int], steps: int, k: int):
     ms, (more, _, _) = timed_call(partial(session.burst, steps, k), model.be)
     out += more
     if out != tape[:len(out)]:
-        at = next(i for i, (a, b) in enumerate(zip(out, tape)) if a != b)
+        at = next((i for i, (a, b) in enumerate(zip(out, tape)) if a != b), len(tape))  # or ran past it
         raise MemraError(f"greedy speculative output left the plain tape at token {at} (k={k}, drafter "
                          f"{type(drafter).__name__}): spec decoding is broken; this benchmark is void")
     return ms, session.metrics, walks.captures - captures
@@ -165,14 +206,17 @@ def head_ms(model, drafter) -> float:
     return float(np.median([timed_call(call, model.be)[0] for _ in range(HEAD_REPS)]))
 
 
-def draft_costs(model, prompt, tape: list[int], args) -> tuple[dict, dict, dict, dict]:
-    """Per source: {"K": median ms of one propose(K)} (or None where it cannot draft K), or None;
-    the reason for each None source; native-mtp's lm head ms per draft step; and per source the
-    kernel profile of one propose at its largest K (None without a profiler)."""
+def draft_costs(model, prompt, tape: list[int], args, profile_rates: dict) -> tuple[dict, dict, dict, dict]:
+    """Per source: {alpha key: {"K": median ms of one propose(K)}} at each --alphas rate, and under
+    "profile" at each (source, K) acceptance profile of profile_rates (ForcedDrafter, a session of
+    --draft-steps timed tokens; None where it cannot draft K), or None; the reason for each None
+    source; native-mtp's lm head ms per draft step; and per source the kernel profile of one
+    propose at its largest K and the largest alpha (None without a profiler)."""
     costs, reasons, heads, profiles = {}, {}, {}, {}
     sources = [(name, source, None) for name, source in DRAFT_SOURCES.items()]
     if args.trim:  # ranks 0..trim-1: on the preset's random weights any trim ids draft alike
         sources.append((f"native-mtp (d2t {args.trim})", NativeMtpSource, {"d2t": np.arange(args.trim)}))
+    top = max(args.alphas)
     with tempfile.TemporaryDirectory() as tmp:
         for name, source, options in sources:
             try:
@@ -184,13 +228,16 @@ def draft_costs(model, prompt, tape: list[int], args) -> tuple[dict, dict, dict,
                 continue
             costs[name] = {}
             deepest = max((k for k in args.ks if k <= drafter.max_k), default=None)
-            for k in args.ks:
-                timed = TimedDrafter(drafter, model.be, PROFILED_PROPOSE if k == deepest else None,
-                                     profiler_for(model.be))
+            runs = [(alpha, k) for alpha in args.alphas for k in args.ks]
+            runs += [(rates, k) for (src, k), rates in profile_rates.items() if src == name]
+            for alpha, k in runs:
+                profiled = k == deepest and np.isscalar(alpha) and alpha == top
+                timed = TimedDrafter(drafter, model.be, PROFILED_PROPOSE if profiled else None, profiler_for(model.be))
                 if k <= timed.max_k:
-                    spec_run(model, prompt, timed, tape, args.steps, k)
-                costs[name][str(k)] = float(np.median(timed.ms)) if timed.ms else None
-                if k == deepest:
+                    forced = TapeSource(tape, alpha, model.cfg.vocab_size, args.seed + k)
+                    spec_run(model, prompt, ForcedDrafter(timed, forced), tape, args.draft_steps, k)
+                costs[name].setdefault(alpha_key(alpha), {})[str(k)] = float(np.median(timed.ms)) if timed.ms else None
+                if profiled:
                     profiles[name] = _profile_summary(timed.profile, k)
             if name.startswith("native-mtp"):
                 heads[name] = head_ms(model, drafter)
@@ -238,7 +285,8 @@ def point(model, prompt, tape, alpha, k, verify_ms, costs, plain_tps, args) -> d
     # E a short run's luck could read above 100 %
     tps, e = tokens / ms * 1e3, tokens / m.rounds
     with_cost = {}
-    for name, per_k in costs.items():
+    for name, per_alpha in costs.items():
+        per_k = None if per_alpha is None else per_alpha.get(alpha_key(alpha))
         draft_ms = None if per_k is None else per_k[str(k)]
         with_cost[name] = None if draft_ms is None else {
             "draft_ms": draft_ms, "tokens_per_s": tokens / (ms + m.rounds * draft_ms) * 1e3,
@@ -266,9 +314,10 @@ def card(record: dict) -> list[str]:
              f"{p['tokens_per_s']:.1f} tokens/s as a session ({p['ms_per_step']:.3f} ms a synchronous step)"]
     for name, reason in record["draft_unavailable"].items():
         lines.append(f"  {name}: not measured ({reason})")
+    top = alpha_key(max(record["config"]["alphas"]))
     for name, ms in record["draft_head_ms_per_step"].items():
-        per_step = {k: v / int(k) for k, v in record["draft_ms"][name].items() if v is not None}
-        lines.append(f"  {name}: lm head {ms:.3f} ms of each draft step ("
+        per_step = {k: v / int(k) for k, v in record["draft_ms"][name][top].items() if v is not None}
+        lines.append(f"  {name}: lm head {ms:.3f} ms of each draft step (at alpha {top}: "
                      + ", ".join(f"K={k}: {v:.3f} ms a step" for k, v in per_step.items()) + ")")
     for name, p in record["draft_profile"].items():
         if p is not None:
@@ -293,6 +342,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", type=lambda s: [int(k) for k in s.split(",")], default=[1, 3, 5, 7],
                     help=f"drafts per round, each in 1..{MAX_K}")
     ap.add_argument("--reps", type=int, default=10, help="timed verify walks per K")
+    ap.add_argument("--draft-steps", type=int, default=128,
+                    help="timed tokens of each session that costs a source's propose at one (alpha, K)")
     ap.add_argument("--trim", type=int, default=0,
                     help="also cost native-mtp with an FR-Spec trim of its draft head to this many token ids")
     ap.add_argument("--profile", help="a bench_accept JSON record: also run each of its greedy (source, K) "
@@ -300,7 +351,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     model = model_from_args(args)
     # the tape covers a burst's overshoot (up to K tokens past --steps) so drafts never run out
-    room = WARMUP_STEPS + args.steps + (GRAPH_ROUNDS + 1) * (max(args.ks) + 1)
+    room = WARMUP_STEPS + max(args.steps, args.draft_steps) + (GRAPH_ROUNDS + 1) * (max(args.ks) + 1)
     cache, anchor = prime_context(model, args.context, room, args.seed)
     tape: list[int] = []
     times, last = greedy_steps(model, cache, anchor, room, tape)
@@ -313,15 +364,17 @@ def main(argv=None) -> int:
              "tokens_per_s": 1e3 / session_ms}
     cache, _ = prime_context(model, args.context, max(args.ks) + 1, args.seed)
     verify = {k: float(np.median(verify_times(model, cache, tape[:k + 1], args.reps)[0])) for k in args.ks}
-    costs, reasons, heads, profiles = draft_costs(model, prompt, tape, args)
+    profiled = profile_points(args.profile, args.ks) if args.profile else []
+    costs, reasons, heads, profiles = draft_costs(model, prompt, tape, args,
+                                                  {(source, k): rates for source, k, rates in profiled})
     spec = [point(model, prompt, tape, a, k, verify[k], costs, plain["tokens_per_s"], args)
             for k in args.ks for a in args.alphas]
-    for source, k, rates in profile_points(args.profile, args.ks) if args.profile else ():
+    for source, k, rates in profiled:
         measured = point(model, prompt, tape, rates, k, verify[k], {source: costs.get(source)},
                          plain["tokens_per_s"], args)
         spec.append(measured | {"profile": source})
     config = model_config(args, model, alphas=args.alphas, ks=args.ks, reps=args.reps, profile=args.profile,
-                          trim=args.trim,
+                          trim=args.trim, draft_steps=args.draft_steps,
                           dflash2_drafter="write_fixture_drafter defaults (2 layers, block 8) for the preset")
     record = record_header("bench_spec", args.git_sha, config, model.be) | {
         "plain": plain, "verify_ms": {str(k): v for k, v in verify.items()}, "draft_ms": costs,

@@ -30,10 +30,10 @@ def test_bench_spec_prints_one_json_line_and_full_acceptance_accepts_every_draft
     assert set(record["verify_ms"]) == {"1", "3"} and all(v > 0 for v in record["verify_ms"].values())
     assert record["draft_unavailable"] == {}  # small has an MTP block; its dflash2 fixture is cheap
     assert record["draft_profile"] == {"native-mtp": None, "dflash2": None}  # numpy: no kernels
-    for name in ("native-mtp", "dflash2"):
-        assert all(record["draft_ms"][name][k] > 0 for k in ("1", "3"))
+    for name in ("native-mtp", "dflash2"):  # a propose's cost at each forced acceptance
+        assert all(record["draft_ms"][name][a][k] > 0 for a in ("0.5", "1") for k in ("1", "3"))
     # native-mtp's lm head alone, per draft step: a part of the step it belongs to
-    assert 0 < record["draft_head_ms_per_step"]["native-mtp"] < record["draft_ms"]["native-mtp"]["1"]
+    assert 0 < record["draft_head_ms_per_step"]["native-mtp"] < record["draft_ms"]["native-mtp"]["1"]["1"]
     spec = record["spec"]
     assert [(p["alpha"], p["k"]) for p in spec] == [(0.5, 1), (1.0, 1), (0.5, 3), (1.0, 3)]
     for p in spec:
@@ -56,8 +56,9 @@ def test_trim_costs_native_mtp_with_its_draft_head_trimmed_as_a_source_of_its_ow
     assert bench_spec.main(ARGS[:-6] + ["--ks", "3", "--alphas", "1.0", "--reps", "2", "--trim", "64"]) == 0
     record = json.loads(capsys.readouterr().out.strip())
     trimmed = "native-mtp (d2t 64)"
-    assert record["config"]["trim"] == 64 and record["draft_ms"][trimmed]["3"] > 0
+    assert record["config"]["trim"] == 64
     heads = record["draft_head_ms_per_step"]
+    assert record["draft_ms"][trimmed]["1"]["3"] > 0
     assert heads[trimmed] > 0 and heads["native-mtp"] > 0
     assert set(record["spec"][0]["with_draft_cost"]) == {"native-mtp", "dflash2", trimmed}
 
@@ -100,6 +101,32 @@ def test_the_profiled_propose_is_not_timed():
     state = timed.begin(None)
     assert [state.propose(2) for _ in range(3)] == [2, 2, 2]
     assert len(timed.ms) == 2 and profiled == [1] and timed.profile == {}
+
+
+@pytest.mark.parametrize("alpha, first_rows", [(1.0, 4), (0.0, 1)])
+def test_a_sources_forced_cost_is_paid_at_the_forced_acceptance(monkeypatch, alpha, first_rows):
+    """ForcedDrafter: native-mtp proposes every round on its own state while the rounds accept
+    the tape's drafts at alpha, so its next first step feeds the rows that round kept: K + 1 = 4
+    at alpha = 1, the bonus row alone at alpha = 0 (what its own drafts reach on random weights,
+    the cost the benchmark used to add to every point)."""
+    from memra.drafters.native_mtp import NativeMtpState
+
+    model = build_model("small", "numpy")
+    tape, prompt = plain_tape(model, 40), random_tokens(model.cfg, 16, 0)
+    firsts, step = [], NativeMtpState._step
+
+    def counted(self, tokens, h):
+        if self.pending_tokens:  # propose's first step: the rows the last round kept
+            firsts.append(len(tokens))
+        return step(self, tokens, h)
+
+    monkeypatch.setattr(NativeMtpState, "_step", counted)
+    timed = bench_spec.TimedDrafter(bench_spec.NativeMtpSource().load(model), model.be)
+    forced = bench_spec.ForcedDrafter(timed, bench_spec.TapeSource(tape, alpha, model.cfg.vocab_size, seed=0))
+    _, metrics, _ = bench_spec.spec_run(model, prompt, forced, tape, 12, 3)
+    assert metrics.num_accepted_tokens == (3 * metrics.rounds if alpha == 1.0 else 0)
+    assert len(timed.ms) == len(firsts) > 2  # every propose timed
+    assert firsts[0] == 1 and set(firsts[1:]) == {first_rows}  # the first feeds the prompt's anchor alone
 
 
 def test_expected_tokens_per_round_is_the_geometric_sum():

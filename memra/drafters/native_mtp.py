@@ -80,10 +80,10 @@ class NativeMtpState:
 
     def _step(self, tokens, h):
         """One draft step over token ids (host, or the device ids of the chain's last argmax)
-        -> (logits [t, V] on the device, the last row's carrier)."""
+        -> (the last row's logits [1, V] on the device, its carrier [1, D]): the rows before it
+        only fill the plane (MtpBlock's last_only)."""
         d = self.drafter
-        logits, carrier = d.model.mtp(tokens, h, self.plane, self.plane.length, d.head, walks=self.walks)
-        return logits, carrier[-1:]  # the carrier feeds the next step before any replay
+        return d.model.mtp(tokens, h, self.plane, self.plane.length, d.head, walks=self.walks, last_only=True)
 
     def propose(self, k: int, sampling=None) -> Proposal:
         """K chained drafts: greedy argmaxes, or (sampling) draws from the filtered draft

@@ -38,18 +38,22 @@ class MtpBlock:
                                  "a reset only ever shortens the plane (to the committed boundary)")
         plane.truncate(length, self.cfg.index_kpool)
 
-    def __call__(self, next_tokens, h, plane, pos0: int, head=None, walks=None):
+    def __call__(self, next_tokens, h, plane, pos0: int, head=None, walks=None, last_only: bool = False):
         """Rows (tok_{i+1}, h_i) at positions pos0.. -> (logits [t, V], carrier [t, D]).
         `head` replaces the trunk lm head (an FR-Spec trim projects through fewer rows).
         `walks` (a runner from be.walks(), one per plane) replays a captured graph per row
-        count; its outputs are then the graph's buffers, overwritten by the next replay."""
+        count; its outputs are then the graph's buffers, overwritten by the next replay.
+        `last_only`: the block past its attention (MoE, norm, head) runs on the last row alone,
+        -> ([1, V], [1, D]): a draft step reads only that row, and at 8 kept rows the MoE would
+        read some 5x the experts for rows nobody reads. The plane still takes every row, and the
+        exact class gives the last row the bits a call over every row gives it."""
         pool, t = self.cfg.index_kpool, len(next_tokens)
         plane.check(pos0, pool, self.name)
-        rows = lambda tok, at, h_rows: self._rows(tok, h_rows, plane, at, head)
+        rows = lambda tok, at, h_rows: self._rows(tok, h_rows, plane, at, head, last_only)
         if walks is None:
             out = rows(next_tokens, self.be.position(pos0), h)
         else:
-            out = walks.run(t, rows, next_tokens, pos0, h)
+            out = walks.run((t, last_only), rows, next_tokens, pos0, h)
         plane.advance(pos0 + t, pool)
         return out
 
@@ -60,9 +64,11 @@ class MtpBlock:
         self._attend(next_tokens, h, plane, self.be.position(pos0))
         plane.advance(pos0 + len(next_tokens), pool)
 
-    def _rows(self, next_tokens, h, plane, at, head):
+    def _rows(self, next_tokens, h, plane, at, head, last_only: bool):
         be, eps = self.be, self.cfg.rms_norm_eps
         z, a = self._attend(next_tokens, h, plane, at)
+        if last_only:
+            z, a = z[-1:], a[-1:]
         z = be.add(z, a)
         z = be.add(z, self.mlp(be.rmsnorm(z, self.post_norm, eps)))
         logits = be.linear(be.rmsnorm(z, self.head_norm, eps), self.lm_head if head is None else head)

@@ -32,6 +32,21 @@ def test_mtp_rows_in_one_call_equal_rows_one_at_a_time(model):
     assert plane.pools_ready == n // model.cfg.index_kpool
 
 
+def test_a_last_row_draft_step_is_the_last_row_of_the_call_over_every_row(model):
+    """last_only (native-mtp's draft steps): the MoE, norm and head run on the last row alone,
+    with that row's bits, and the plane takes every row as before. Red arm: the row before it
+    is another row, so the comparison can fail."""
+    n = 9
+    tokens, h = _trunk_rows(model, n)
+    every, last = model.mtp.new_plane(n), model.mtp.new_plane(n)
+    logits, carrier = model.mtp(tokens[1:n + 1], h, every, 0)
+    one_logits, one_carrier = model.mtp(tokens[1:n + 1], h, last, 0, last_only=True)
+    assert one_logits.shape == (1, model.cfg.vocab_size) and one_carrier.shape == (1, model.cfg.hidden_size)
+    assert np.array_equal(one_logits, logits[-1:]) and np.array_equal(one_carrier, carrier[-1:])
+    assert not np.array_equal(one_logits, logits[-2:-1])
+    assert every.length == last.length == n and np.array_equal(every.latent, last.latent)
+
+
 def test_mtp_depends_on_both_the_token_and_the_hidden_row(model):
     tokens, h = _trunk_rows(model, 4)
     base, _ = model.mtp(tokens[1:5], h, model.mtp.new_plane(4), 0)

@@ -179,22 +179,25 @@ def test_red_arm_a_replay_at_a_stale_position_breaks_the_identity(model):
 
 def test_replayed_mtp_draft_steps_are_the_eager_ones(model):
     """The native-mtp draft chain: a first step of 3 rows, then t = 1 steps fed their own carrier
-    (eager, capture, replays), on a graph runner and without one: the same bits throughout."""
+    (eager, capture, replays), on a graph runner and without one: the same bits throughout. With
+    last_only (what native-mtp runs) each step's one row is the last row of the call over every
+    row, bit for bit, replayed too."""
     if model.mtp is None:
         pytest.skip("this preset has no MTP block")
     prompt = _prompt(model, 12, 4)
     cache = model.new_cache(64)
     _, collapsed, _ = model.prime_rows(prompt, cache)
     runs = {}
-    for walks in (None, WalkGraphs()):
+    for walks, last_only in ((None, False), (WalkGraphs(), False), (WalkGraphs(), True)):
         plane = model.mtp.new_plane(64)
         model.mtp.warm(prompt[1:9], collapsed[:8], plane, 0)
         tokens, h, out = prompt[9:12], collapsed[8:11], []
         for step in range(6):
-            logits, carrier = model.mtp(tokens, h, plane, plane.length, walks=walks)
+            logits, carrier = model.mtp(tokens, h, plane, plane.length, walks=walks, last_only=last_only)
             out.append((cp.asnumpy(logits), cp.asnumpy(carrier)))
             tokens, h = [int(np.argmax(out[-1][0][-1]))], carrier[-1:]
-        runs[walks is None] = out
+        runs[walks is None, last_only] = out
         if walks is not None:
-            assert set(walks.graphs) == {1}  # the 3-row step ran once: eager only
-    assert _same(tuple(runs[True]), tuple(runs[False]))
+            assert set(walks.graphs) == {(1, last_only)}  # the 3-row step ran once: eager only
+    assert _same(tuple(runs[True, False]), tuple(runs[False, False]))
+    assert _same(tuple((lg[-1:], c[-1:]) for lg, c in runs[True, False]), tuple(runs[False, True]))

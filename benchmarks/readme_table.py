@@ -194,9 +194,18 @@ def fp8(path: str, r: dict) -> list[str]:
 
 
 def blocks(path: str, r: dict) -> list[str]:
-    """A replayed decode step by block kind, each against the copy time of its weights."""
+    """A replayed decode step by block kind, each against the copy time of its weights; or a
+    prime's blocks (--prompt), each kind's wall and busy time and share of the span."""
     if r["blocks"] is None:
         return [_head(path, r), "", f"No blocks: {r['why']}."]
+    if "prompt" in r:
+        out = [_head(path, r), "", f"| block ({_preset(r)}, a {r['prompt']}-token prime: {r['prime_ms']:.1f} ms, "
+               f"{r['profiled_span_us'] / 1e3:.1f} profiled, busy {r['busy_us'] / 1e3:.1f}) | blocks | ms each | "
+               "busy ms each | of the span |", "|---|---|---|---|---|"]
+        for kind, k in r["kinds"].items():
+            out.append(f"| {kind} | {k['count']} | {k['us_each'] / 1e3:.2f} | {k['busy_us_each'] / 1e3:.2f} | "
+                       f"{100 * k['share']:.1f}% |")
+        return out
     out = [_head(path, r), "", f"| block ({_preset(r)}, {r['config']['context']}-token context; the step "
            f"{r['replay_ms']:.3f} ms, {r['profiled_step_us'] / 1e3:.3f} profiled, {100 * r['of_copy_bw']:.0f}% of "
            "copy bw) | blocks | us each | weights each | copy us each | of copy bw | us past copy, all |",

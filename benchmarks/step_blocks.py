@@ -1,6 +1,7 @@
 """step_blocks: a replayed decode step cut into its blocks, each held against the copy time of its weights.
 
     python benchmarks/step_blocks.py --preset bench --backend cuda --git-sha SHA [--dtype fp8] [--context 512] [--out F]
+    python benchmarks/step_blocks.py --preset bench --backend cuda --git-sha SHA --prompt 4096   # a prefill instead
 
 bench_decode's kernel table adds up each kernel's own GPU time, so a kernel beside the step's
 path (each mHC site's Sinkhorn mix, on a side stream) shows time the step never waits for. This
@@ -15,6 +16,11 @@ spends past its copy time is what a faster step could win there. Cache state (KD
 rows) is not counted: 4.2 MB a `bench` KDA layer beside 275 MB of weights. CUPTI lengthens the
 kernels a little, so the blocks add up to a bit more than `replay_ms`, the step's GPU time
 unprofiled (bench_decode's replay_gpu_ms), reported beside them.
+With --prompt N it cuts one prime of N random tokens (the prime class: cuBLAS GEMMs, a chunked
+KDA scan) the same way, after an untimed one, and gives each kind of block its wall time, its
+share of the prime's span and its busy time (covered by at least one kernel): what is not busy
+inside a block is the GPU waiting for the host (a launch, a host read). The prime's wall time
+unprofiled, the median of PRIME_REPS, stands beside them.
 Where no step is captured or torch's profiler is missing (the numpy backend) the record says why
 and holds no blocks. Prints a card on stderr and ONE JSON line on stdout.
 """
@@ -31,13 +37,21 @@ if __package__ in (None, ""):  # run as `python benchmarks/step_blocks.py`: `ben
 from benchmarks.bench_decode import captured_step, replay_gpu_ms  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     WARMUP_STEPS, card_head, emit, greedy_steps, model_args, model_config, model_from_args, prime_context,
-    record_header, roof_gbs,
+    random_tokens, record_header, roof_gbs, timed_call,
 )
-from benchmarks.kernel_profile import kernel_spans  # noqa: E402
+from benchmarks.kernel_profile import _busy_us, kernel_spans  # noqa: E402
 from benchmarks.walk_bytes import block_bytes  # noqa: E402
 
 REPLAYS = 5             # back-to-back replays profiled; each block's median over them is kept
+PRIME_REPS = 3          # timed primes (--prompt), median kept
 SITE_END = "hc_combine"  # the kernel that ends every mHC site, so every block but the head
+
+
+def block_edges(one: list[tuple[str, float, float]]) -> list[float]:
+    """Where the blocks of one walk's kernels (name, start, end; sorted by start) begin and end:
+    the first kernel's start, each site combine's end, the last end."""
+    ends = [end for name, _, end in one if name.startswith(SITE_END)]
+    return [one[0][1], *ends, max(end for _, _, end in one)]
 
 
 def block_us(kernels: list[tuple[str, float, float]], replays: int) -> list[list[float]]:
@@ -48,11 +62,15 @@ def block_us(kernels: list[tuple[str, float, float]], replays: int) -> list[list
     n = len(kernels) // replays
     out = []
     for i in range(replays):
-        one = kernels[i * n:(i + 1) * n]
-        ends = [end for name, _, end in one if name.startswith(SITE_END)]
-        edges = [one[0][1], *ends, max(end for _, _, end in one)]
+        edges = block_edges(kernels[i * n:(i + 1) * n])
         out.append([b - a for a, b in zip(edges, edges[1:])])
     return out
+
+
+def block_busy_us(kernels: list[tuple[str, float, float]], edges: list[float]) -> list[float]:
+    """Microseconds of each block [edges[i], edges[i + 1]) covered by at least one kernel."""
+    return [_busy_us([(max(s, a), min(e, b)) for _, s, e in kernels if e > a and s < b])
+            for a, b in zip(edges, edges[1:])]
 
 
 def by_kind(blocks: list[tuple[str, int]], us: list[float], roof_gbs: float) -> dict:
@@ -100,10 +118,49 @@ def measure(model, args, roof: float | None) -> dict:
             "blocks": [{"kind": kind, "us": wall, "bytes": nbytes} for (kind, nbytes), wall in zip(blocks, us)]}
 
 
+def measure_prime(model, args) -> dict:
+    """One prime of args.prompt random tokens cut into blocks: wall and busy us of each, per kind
+    their sum's share of the span."""
+    if args.backend != "cuda":
+        return {"blocks": None, "why": "no kernels to profile: the numpy backend runs on the host"}
+    n = args.prompt
+    tokens = random_tokens(model.cfg, n, args.seed)
+    model.prime(tokens, model.new_cache(n))  # kernel compilation, cuBLAS's picks per shape
+    prime_ms = statistics.median(timed_call(lambda: model.prime(tokens, model.new_cache(n)), model.be)[0]
+                                 for _ in range(PRIME_REPS))
+    kernels = kernel_spans(lambda: model.prime(tokens, model.new_cache(n)))
+    if kernels is None:
+        return {"blocks": None, "why": "no kernel profiler (torch.profiler) or no kernels recorded"}
+    edges = block_edges(kernels)
+    walls = [b - a for a, b in zip(edges, edges[1:])]
+    busy = block_busy_us(kernels, edges)
+    kinds = [kind for kind, _ in block_bytes(model, model.cfg.num_experts_per_tok)]
+    assert len(walls) == len(kinds), f"{len(walls)} blocks timed, {len(kinds)} expected"
+    span = edges[-1] - edges[0]
+    per = {}
+    for kind, wall, b in zip(kinds, walls, busy):
+        k = per.setdefault(kind, {"count": 0, "us": 0.0, "busy_us": 0.0})
+        k["count"] += 1
+        k["us"] += wall
+        k["busy_us"] += b
+    return {"prompt": n, "prime_ms": prime_ms, "profiled_span_us": span, "busy_us": sum(busy),
+            "kinds": {kind: {"count": k["count"], "us_each": k["us"] / k["count"],
+                             "busy_us_each": k["busy_us"] / k["count"], "share": k["us"] / span}
+                      for kind, k in per.items()},
+            "blocks": [{"kind": kind, "us": wall, "busy_us": b} for kind, wall, b in zip(kinds, walls, busy)]}
+
+
 def card(record: dict) -> list[str]:
     lines = [card_head(record)]
     if record["blocks"] is None:
         return lines + [f"  no blocks: {record['why']}"]
+    if "prompt" in record:
+        lines.append(f"  a {record['prompt']}-token prime: {record['prime_ms']:.1f} ms unprofiled, "
+                     f"{record['profiled_span_us'] / 1e3:.1f} ms profiled, busy {record['busy_us'] / 1e3:.1f} ms")
+        for kind, k in record["kinds"].items():
+            lines.append(f"  {kind:<14} x{k['count']:<3} {k['us_each'] / 1e3:8.2f} ms each  "
+                         f"busy {k['busy_us_each'] / 1e3:8.2f} ms  {100 * k['share']:5.1f}% of the span")
+        return lines
     lines.append(f"  copy bandwidth {record['copy_bandwidth_gbs']:.0f} GB/s  step {record['replay_ms']:.3f} ms "
                  f"unprofiled, {record['profiled_step_us'] / 1e3:.3f} ms profiled, "
                  f"{100 * record['of_copy_bw']:.1f}% of copy bw")
@@ -116,13 +173,20 @@ def card(record: dict) -> list[str]:
 
 def main(argv=None) -> int:
     ap = model_args(__doc__)
+    ap.add_argument("--prompt", type=int, help="cut a prime of this many random tokens instead of a decode step")
     args = ap.parse_args(argv)
     if args.gpus != 1 or args.stage_layers:
         ap.error("step_blocks times one model on one GPU: a pipeline's stages are not cut into blocks")
+    if args.prompt is not None and args.prompt < 1:
+        ap.error(f"--prompt {args.prompt}: a prime of at least one token")
     model = model_from_args(args)
-    roof = roof_gbs(model.be)
-    record = record_header("step_blocks", args.git_sha, model_config(args, model), model.be) | {
-        "copy_bandwidth_gbs": roof} | measure(model, args, roof)
+    extra = {} if args.prompt is None else {"prompt": args.prompt}
+    header = record_header("step_blocks", args.git_sha, model_config(args, model, **extra), model.be)
+    if args.prompt is not None:
+        record = header | measure_prime(model, args)
+    else:
+        roof = roof_gbs(model.be)
+        record = header | {"copy_bandwidth_gbs": roof} | measure(model, args, roof)
     emit(record, card(record), args.out)
     return 0
 

@@ -39,6 +39,17 @@ def test_a_timeline_is_cut_at_each_site_combine_per_replay():
         step_blocks.block_us(one + two[:-1], 2)
 
 
+def test_a_blocks_busy_time_is_what_its_kernels_cover():
+    """Kernels clipped to each block and their overlaps counted once: block 0 [0, 32) is covered
+    but for the gap 20..25; block 1 [32, 61) wholly, by the rest of a kernel that started in
+    block 0 and those after it; the head by its one kernel."""
+    kernels = [("embed_f32", 0, 3), ("linear_group", 3, 10), ("hc_weights", 4, 20), ("x", 25, 40),
+               ("hc_combine", 29, 32), ("moe_gate_up", 40, 60), ("hc_combine", 60, 61), ("head_linear", 61, 90)]
+    edges = step_blocks.block_edges(kernels)
+    assert edges == [0, 32, 61, 90]
+    assert step_blocks.block_busy_us(kernels, edges) == [27, 29, 29]
+
+
 def test_kinds_hold_each_block_against_its_copy_time():
     blocks = [("kda attention", 2000), ("moe ffn", 6000), ("kda attention", 2000), ("head", 1000)]
     kinds = step_blocks.by_kind(blocks, [4.0, 6.0, 2.0, 1.0], roof_gbs=1.0)  # 1 GB/s: 1000 bytes a us
@@ -64,6 +75,31 @@ def test_the_readme_table_renders_the_committed_records_and_a_blockless_one(caps
     assert readme_table.main([*map(str, paths), str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert out.count("| moe ffn |") == len(paths) and "No blocks: no captured decode step" in out
+
+
+def test_a_prompt_on_numpy_holds_no_blocks_and_says_why(capsys):
+    assert step_blocks.main(["--preset", "small", "--backend", "numpy", "--git-sha", "test", "--prompt", "20"]) == 0
+    out = capsys.readouterr()
+    record = json.loads(out.out)
+    assert out.out.count("\n") == 1 and record["config"]["prompt"] == 20
+    assert record["blocks"] is None and "numpy backend" in record["why"]
+
+
+def test_the_readme_table_renders_a_primes_blocks(capsys, tmp_path):
+    record = {"bench": "step_blocks", "git_sha": "abc1234", "date": "2026-12-04", "device": "GPU",
+              "config": {"preset": "bench", "prompt": 4096}, "prompt": 4096, "prime_ms": 305.0,
+              "profiled_span_us": 300000.0, "busy_us": 280000.0,
+              "kinds": {"moe ffn": {"count": 11, "us_each": 12000.0, "busy_us_each": 11000.0, "share": 0.44}},
+              "blocks": [{"kind": "moe ffn", "us": 12000.0, "busy_us": 11000.0}] * 11}
+    (tmp_path / "p.json").write_text(json.dumps(record))
+    assert readme_table.main([str(tmp_path / "p.json")]) == 0
+    assert "| moe ffn | 11 | 12.00 | 11.00 | 44.0% |" in capsys.readouterr().out
+
+
+def test_a_prompt_of_no_tokens_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        step_blocks.main(["--preset", "small", "--backend", "numpy", "--git-sha", "test", "--prompt", "0"])
+    assert exit_.value.code == 2 and "a prime of at least one token" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("staged", [["--gpus", "2"], ["--stage-layers", "0-2,3-5"]])

@@ -37,7 +37,7 @@ def _own_us(spans: list[tuple[float, float]]) -> list[float]:
     return own
 
 
-def _busy_us(spans: list[tuple[float, float]]) -> float:
+def busy_us(spans: list[tuple[float, float]]) -> float:
     """Microseconds covered by at least one of the (start, end) spans."""
     return sum(_own_us(spans))
 
@@ -76,7 +76,7 @@ def kernel_profile(run, steps: int, launched: list[str]) -> dict | None:
                        "share": f["us"] / total}
                 for name, f in sorted(per.items(), key=lambda kv: -kv[1]["us"])}
     return {"steps": steps, "kernel_us_per_step": total / steps, "span_us_per_step": span / steps,
-            "busy_us_per_step": _busy_us(spans) / steps, "idle_share": 1 - _busy_us(spans) / span,
+            "busy_us_per_step": busy_us(spans) / steps, "idle_share": 1 - busy_us(spans) / span,
             "families": families}
 
 

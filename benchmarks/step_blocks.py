@@ -39,8 +39,9 @@ from benchmarks.common import (  # noqa: E402
     WARMUP_STEPS, card_head, emit, greedy_steps, model_args, model_config, model_from_args, prime_context,
     random_tokens, record_header, roof_gbs, timed_call,
 )
-from benchmarks.kernel_profile import _busy_us, kernel_spans  # noqa: E402
+from benchmarks.kernel_profile import busy_us, kernel_spans  # noqa: E402
 from benchmarks.walk_bytes import block_bytes  # noqa: E402
+from memra.limits import PRIME_CHUNK  # noqa: E402
 
 REPLAYS = 5             # back-to-back replays profiled; each block's median over them is kept
 PRIME_REPS = 3          # timed primes (--prompt), median kept
@@ -69,7 +70,7 @@ def block_us(kernels: list[tuple[str, float, float]], replays: int) -> list[list
 
 def block_busy_us(kernels: list[tuple[str, float, float]], edges: list[float]) -> list[float]:
     """Microseconds of each block [edges[i], edges[i + 1]) covered by at least one kernel."""
-    return [_busy_us([(max(s, a), min(e, b)) for _, s, e in kernels if e > a and s < b])
+    return [busy_us([(max(s, a), min(e, b)) for _, s, e in kernels if e > a and s < b])
             for a, b in zip(edges, edges[1:])]
 
 
@@ -177,8 +178,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.gpus != 1 or args.stage_layers:
         ap.error("step_blocks times one model on one GPU: a pipeline's stages are not cut into blocks")
-    if args.prompt is not None and args.prompt < 1:
-        ap.error(f"--prompt {args.prompt}: a prime of at least one token")
+    if args.prompt is not None and not 1 <= args.prompt <= PRIME_CHUNK:
+        ap.error(f"--prompt {args.prompt}: a prime of 1 to {PRIME_CHUNK} tokens (one walk; a longer prompt "
+                 "walks in chunks)")
     model = model_from_args(args)
     extra = {} if args.prompt is None else {"prompt": args.prompt}
     header = record_header("step_blocks", args.git_sha, model_config(args, model, **extra), model.be)

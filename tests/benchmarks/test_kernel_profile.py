@@ -1,14 +1,14 @@
 """benchmarks/kernel_profile.py's bookkeeping, on CPU: the busy time of overlapping kernel spans
 and the naming of a kernel by the module that launched it."""
 
-from benchmarks.kernel_profile import _busy_us, _family, _own_us
+from benchmarks.kernel_profile import busy_us, _family, _own_us
 
 
 def test_busy_time_counts_overlaps_once_and_gaps_never():
-    assert _busy_us([(0, 10), (5, 15), (20, 30)]) == 25
-    assert _busy_us([(20, 30), (0, 10)]) == 20          # any order
-    assert _busy_us([(0, 30), (5, 10)]) == 30           # a span inside another adds nothing
-    assert _busy_us([]) == 0
+    assert busy_us([(0, 10), (5, 15), (20, 30)]) == 25
+    assert busy_us([(20, 30), (0, 10)]) == 20          # any order
+    assert busy_us([(0, 30), (5, 10)]) == 30           # a span inside another adds nothing
+    assert busy_us([]) == 0
 
 
 def test_a_memra_kernel_is_named_by_its_module_and_anything_else_as_itself():
@@ -27,4 +27,4 @@ def test_a_kernel_that_started_early_owns_only_the_time_past_its_predecessor():
 
 def test_own_times_add_up_to_the_busy_time():
     spans = [(0, 10), (4, 15), (15, 18), (20, 25), (21, 22)]
-    assert sum(_own_us(spans)) == _busy_us(spans)
+    assert sum(_own_us(spans)) == busy_us(spans)

@@ -12,6 +12,7 @@ import pytest
 from benchmarks import readme_table, step_blocks
 from benchmarks.common import build_model
 from benchmarks.walk_bytes import block_bytes, moe_layer_count, weight_bytes
+from memra.limits import PRIME_CHUNK
 
 
 def test_block_bytes_add_up_to_the_walk_and_follow_its_layers():
@@ -96,10 +97,11 @@ def test_the_readme_table_renders_a_primes_blocks(capsys, tmp_path):
     assert "| moe ffn | 11 | 12.00 | 11.00 | 44.0% |" in capsys.readouterr().out
 
 
-def test_a_prompt_of_no_tokens_is_refused(capsys):
+@pytest.mark.parametrize("prompt", ["0", str(PRIME_CHUNK + 1)])
+def test_a_prompt_outside_one_walk_is_refused(capsys, prompt):
     with pytest.raises(SystemExit) as exit_:
-        step_blocks.main(["--preset", "small", "--backend", "numpy", "--git-sha", "test", "--prompt", "0"])
-    assert exit_.value.code == 2 and "a prime of at least one token" in capsys.readouterr().err
+        step_blocks.main(["--preset", "small", "--backend", "numpy", "--git-sha", "test", "--prompt", prompt])
+    assert exit_.value.code == 2 and f"a prime of 1 to {PRIME_CHUNK} tokens" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("staged", [["--gpus", "2"], ["--stage-layers", "0-2,3-5"]])

@@ -44,11 +44,14 @@ def busy_us(spans: list[tuple[float, float]]) -> float:
 
 def kernel_spans(run) -> list[tuple[str, float, float]] | None:
     """(kernel name, start us, end us) of every kernel run() puts on the GPU, by start; None
-    without torch's profiler or without kernels recorded."""
+    without torch's profiler, without CUDA (run() is not called then) or without kernels recorded."""
     try:
+        import torch
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
+        return None
+    if not torch.cuda.is_available():  # CUPTI records nothing, and torch refuses a profile of no activity
         return None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()

@@ -74,16 +74,22 @@ def block_busy_us(kernels: list[tuple[str, float, float]], edges: list[float]) -
             for a, b in zip(edges, edges[1:])]
 
 
+def summed_by_kind(kinds: list[str], **columns: list) -> dict:
+    """Per kind of block (first seen first): how many, and each column's values summed over them."""
+    out = {}
+    for i, kind in enumerate(kinds):
+        k = out.setdefault(kind, {"count": 0, **{name: 0 for name in columns}})
+        k["count"] += 1
+        for name, values in columns.items():
+            k[name] += values[i]
+    return out
+
+
 def by_kind(blocks: list[tuple[str, int]], us: list[float], roof_gbs: float) -> dict:
     """Per kind of block: how many, their mean wall us, weight bytes and copy us each, the copy
     time's share of the wall time, and the us they spend past their copy time, all of them."""
-    kinds = {}
-    for (kind, nbytes), wall in zip(blocks, us):
-        k = kinds.setdefault(kind, {"count": 0, "us": 0.0, "bytes": 0})
-        k["count"] += 1
-        k["us"] += wall
-        k["bytes"] += nbytes
     out = {}
+    kinds = summed_by_kind([kind for kind, _ in blocks], us=us, bytes=[nbytes for _, nbytes in blocks])
     for kind, k in kinds.items():
         copy_us = k["bytes"] / roof_gbs / 1e3
         out[kind] = {"count": k["count"], "us_each": k["us"] / k["count"], "bytes_each": k["bytes"] // k["count"],
@@ -136,12 +142,7 @@ def measure_prime(model, args) -> dict:
     kinds = [kind for kind, _ in block_bytes(model, model.cfg.num_experts_per_tok)]
     assert len(walls) == len(kinds), f"{len(walls)} blocks timed, {len(kinds)} expected"
     span = edges[-1] - edges[0]
-    per = {}
-    for kind, wall, b in zip(kinds, walls, busy):
-        k = per.setdefault(kind, {"count": 0, "us": 0.0, "busy_us": 0.0})
-        k["count"] += 1
-        k["us"] += wall
-        k["busy_us"] += b
+    per = summed_by_kind(kinds, us=walls, busy_us=busy)
     return {"prompt": n, "prime_ms": prime_ms, "profiled_span_us": span, "busy_us": sum(busy),
             "kinds": {kind: {"count": k["count"], "us_each": k["us"] / k["count"],
                              "busy_us_each": k["busy_us"] / k["count"], "share": k["us"] / span}

@@ -345,9 +345,10 @@ class NumpyBackend(NumpyHyperOps, NumpyKdaOps, NumpyDraftOps, NumpyFilterOps):
             idx[:, k], wts[:, k] = shared, F32(1.0)
         return idx, wts
 
-    def moe_experts(self, x, idx, wts, gate_w, up_w, down_w, limit: float) -> np.ndarray:
+    def moe_experts(self, x, idx, wts, gate_w, up_w, down_w, limit: float, shared: bool = False) -> np.ndarray:
         """sum over the row's experts (ascending) of wt * down(swiglu(gate x, up x)).
-        gate_w, up_w [E, I, D]; down_w [E, D, I]."""
+        gate_w, up_w [E, I, D]; down_w [E, D, I]. shared: every row's last slot is the last
+        expert (moe_route's shared slot); the same sum (the CUDA prompt path schedules by it)."""
         out = np.zeros_like(x)
         for r in range(x.shape[0]):
             for e, wt in zip(idx[r], wts[r]):

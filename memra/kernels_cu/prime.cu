@@ -164,29 +164,39 @@ extern "C" __global__ void selection_mask(const int* positions, unsigned char* k
     }
 }
 
-// grid (rows * H), block MEMRA_BLOCK: one (row, head) of scores [rows, H, ctx], its exponentials
-// kept in place; out [rows * H, 3, ctx] gets the probabilities' pieces in `map`'s order.
+// grid (rows * H), block MEMRA_BLOCK: one (row, head) of scores [rows, H, ctx]; out [rows * H,
+// 3, ctx] gets the probabilities' pieces in `map`'s order. cached: the row's scaled scores, then
+// its exponentials, live in 4 * ctx bytes of dynamic shared memory, so the scores are read from
+// global memory once; else the exponentials are kept in place and the row is read three times.
+// The same bits either way.
 extern "C" __global__ void masked_softmax_pieces(float* s, const unsigned char* keep, unsigned short* out,
-                                                 int H, int ctx, float scale, int map) {
+                                                 int H, int ctx, float scale, int map, int cached) {
     after_predecessor();
+    extern __shared__ float cache[];
     __shared__ float shm[MEMRA_BLOCK];
     const unsigned char* kp = keep + (long long)(blockIdx.x / H) * ctx;
     float* row = s + (long long)blockIdx.x * ctx;
-    unsigned short* probs = out + (long long)blockIdx.x * 3 * ctx;
+    float* e = cached ? cache : row;
+    // scale * s where listed, -inf (weight 0) elsewhere
+    auto scaled = [&](int j) { return kp[j] ? row[j] * scale : neg_inf(); };
     float mx = neg_inf();
-    for (int j = threadIdx.x; j < ctx; j += MEMRA_BLOCK)
-        if (kp[j]) mx = fmaxf(mx, row[j] * scale);
+    for (int j = threadIdx.x; j < ctx; j += MEMRA_BLOCK) {
+        const float a = scaled(j);
+        if (cached) cache[j] = a;
+        mx = fmaxf(mx, a);
+    }
     mx = block_max(mx, shm);
     float sum = 0.0f;
     for (int j = threadIdx.x; j < ctx; j += MEMRA_BLOCK) {
-        const float e = kp[j] ? expf(row[j] * scale - mx) : 0.0f;
-        row[j] = e;
-        sum += e;
+        const float a = cached ? cache[j] : scaled(j);
+        const float x = a == neg_inf() ? 0.0f : expf(a - mx);
+        e[j] = x;
+        sum += x;
     }
     sum = block_sum(sum, shm);
     // a row that lists no position (never one of a prompt: it sees itself) attends nothing
     for (int j = threadIdx.x; j < ctx; j += MEMRA_BLOCK)
-        put_piece_copies(sum > 0.0f ? row[j] / sum : 0.0f, probs + j, 3, map, ctx);
+        put_piece_copies(sum > 0.0f ? e[j] / sum : 0.0f, out + (long long)blockIdx.x * 3 * ctx + j, 3, map, ctx);
 }
 
 // An e4m3fn byte as float32, exactly: 1 sign, 4 exponent (bias 7), 3 mantissa bits; exponent 0

@@ -43,7 +43,7 @@ class Moe:
             x, self.router, self.bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
             cfg.norm_topk_prob, cfg.routed_scaling_factor, self.shared_id,
         )
-        out = be.moe_experts(x, idx, wts, self.gate_w, self.up_w, self.down_w, cfg.swiglu_limit)
+        out = be.moe_experts(x, idx, wts, self.gate_w, self.up_w, self.down_w, cfg.swiglu_limit, self.shared_id >= 0)
         return out if self.shared is None else be.add(out, self.shared(x))
 
 

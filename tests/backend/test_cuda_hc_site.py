@@ -91,7 +91,7 @@ def test_hc_combine_waits_for_the_side_streams_mix(be, monkeypatch, joined):
     be.hc_site(earlier, *weights, RMS_EPS, HC_EPS, iters, block)  # its comb goes back to the pool
     cp.cuda.Device().synchronize()
     if not joined:
-        monkeypatch.setattr(hyper, "_join", lambda main, mixed: None)
+        monkeypatch.setattr(hyper, "join", lambda main, side: None)
     with side_stream(cp.cuda.Device().id, "mix"):
         SPIN((1,), (1,), (np.int64(20_000_000),))  # ~10 ms: the mix runs long after the combine
     got = cp.asnumpy(be.hc_site(streams, *weights, RMS_EPS, HC_EPS, iters, block))

@@ -165,6 +165,15 @@ def test_prime_attention_is_float32_accurate(bench_attention, monkeypatch):
     assert _rel_error(got, want) <= bound
 
 
+def test_prime_softmax_gives_the_same_bits_from_shared_memory_or_in_place(bench_attention, monkeypatch):
+    """A chunk's rows of scores up to SHARED_BYTES are read once into shared memory; past it the
+    kernel keeps its exponentials in place and reads the row three times: the same bits."""
+    q, latent, positions, _, _ = bench_attention
+    cached = _attend(q, latent, positions)
+    monkeypatch.setattr(prime, "SHARED_BYTES", 0)
+    assert np.array_equal(_attend(q, latent, positions), cached)
+
+
 @pytest.mark.parametrize("product", [(2, 0), (1, 1), (0, 2)], ids=["lo_hi", "mid_mid", "hi_lo"])
 def test_red_arm_a_dropped_attention_product_breaks_the_bound(bench_attention, monkeypatch, product):
     q, latent, positions, want, bound = bench_attention
@@ -188,18 +197,22 @@ def test_a_long_prompts_experts_go_in_row_chunks(monkeypatch):
     np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-4, atol=1e-5)
 
 
-def _skewed_experts(kind: str):
-    """A 40-row prompt whose experts 0 and 1 serve 24 slots each and experts 2..5 about 8 each,
-    weights bf16 bits or FP8 blocks -> (device args, numpy reference)."""
+def _skewed_experts(kind: str, shared: bool = False, idx=None):
+    """A 40-row prompt whose experts 0 and 1 serve 24 slots each and experts 2..5 about 8 each
+    (shared: and every row's last slot expert 6), weights bf16 bits or FP8 blocks -> (device
+    args, numpy reference); idx: other slots, the same weights."""
     from memra.backend.fp8 import dequantize, quantize
     from memra.backend.numpy_ref import NumpyBackend
 
     rng = np.random.default_rng(9)
     x = normal(rng, (40, 64))
-    idx = np.array([[0, 1]] * 24 + [sorted(rng.choice(range(2, 6), 2, replace=False)) for _ in range(16)], np.int64)
-    wts = rng.uniform(0.2, 1.0, (40, 2)).astype(np.float32)
-    shapes, scales = ((6, 24, 64), (6, 24, 64), (6, 64, 24)), (0.125, 0.125, 0.2)
+    routed = np.array([[0, 1]] * 24 + [sorted(rng.choice(range(2, 6), 2, replace=False)) for _ in range(16)], np.int64)
+    wts = rng.uniform(0.2, 1.0, (40, 2 + shared)).astype(np.float32)
+    e = 6 + shared
+    shapes, scales = ((e, 24, 64), (e, 24, 64), (e, 64, 24)), (0.125, 0.125, 0.2)
     mats = [normal(rng, shape, scale) for shape, scale in zip(shapes, scales)]
+    if idx is None:
+        idx = np.concatenate([routed, np.full((40, 1), 6)], axis=1) if shared else routed
     if kind == "fp8":
         blocks = [quantize(m) for m in mats]
         weights, widened = [DeviceFp8.upload(b) for b in blocks], [dequantize(b) for b in blocks]
@@ -229,6 +242,31 @@ def test_a_prompts_experts_on_gemms_tiles_or_both_match_numpy(monkeypatch, kind,
     if tiled_slots:
         one_off = lambda *a: cp.roll(expert_tiles(*a), 1, axis=0)
         assert not np.allclose(cp.asnumpy(prime.prime_experts(*args, one_off)), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_a_prompts_shared_expert_runs_before_the_count_read_and_matches_numpy(monkeypatch, kind):
+    """shared: every row's last slot is the last expert (moe_route's shared slot), run over all
+    rows while the host reads the routed counts: the experts' numpy tolerance, tiled experts
+    among them. Red arm: the same call on slots whose last is another expert computes the last
+    expert there anyway (the promise is what the shared run reads), so it misses numpy's sum."""
+    args, want = _skewed_experts(kind, shared=True)
+    monkeypatch.setitem(prime.TILE_ROWS, kind, 12)
+    plans, run = [], prime._gemm_experts
+
+    def recorded(handle, xp, plan, *rest):
+        plans.append(plan)
+        run(handle, xp, plan, *rest)
+
+    monkeypatch.setattr(prime, "_gemm_experts", recorded)
+    got = prime.prime_experts(*args, expert_tiles, shared=True)
+    np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-4, atol=1e-5)
+    assert plans[0] == [(6, 40, 0)]  # the shared expert first, every row
+    broken = args[1].copy()
+    broken[:, -1] = 5
+    _, broken_want = _skewed_experts(kind, shared=True, idx=cp.asnumpy(broken))
+    assert not np.allclose(cp.asnumpy(prime.prime_experts(args[0], broken, *args[2:], expert_tiles, shared=True)),
+                           broken_want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

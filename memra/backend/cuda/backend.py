@@ -9,12 +9,9 @@ unless the backend is made with graphs=False.
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 import cupy as cp
-import cupyx
 
 from memra.backend.cuda.dense import DenseOps
 from memra.backend.cuda.draft import DraftOps
@@ -27,16 +24,12 @@ from memra.backend.cuda.moe import MoeOps
 from memra.backend.cuda.norm import NormOps
 from memra.backend.cuda.philox import PhiloxOps
 from memra.backend.cuda.prime import is_prime
-from memra.backend.cuda.runtime import position
+from memra.backend.cuda.runtime import host_copy_later, position
 from memra.backend.cuda.sampling import FilterOps
 from memra.backend.cuda.streams import Beside
 from memra.backend.fp8 import Fp8Block
 from memra.backend.numpy_ref import Inline
 from memra.safetensors_io import bf16_to_f32
-
-
-def _landed(copied, host) -> None:
-    copied.synchronize()
 
 
 class CudaBackend(DenseOps, DraftOps, FilterOps, NormOps, HyperOps, KdaOps, MlaOps, MoeOps, PhiloxOps):
@@ -100,18 +93,7 @@ class CudaBackend(DenseOps, DraftOps, FilterOps, NormOps, HyperOps, KdaOps, MlaO
     def to_host_async(self, a):
         """A copy of `a` to pinned host memory, enqueued behind the work so far without waiting
         for it -> a function that waits for the copy and returns it."""
-        host = cupyx.empty_pinned(a.shape, a.dtype)
-        a.get(out=host, blocking=False)
-        copied = cp.cuda.Event(disable_timing=True)
-        copied.record()
-
-        def wait() -> np.ndarray:
-            copied.synchronize()
-            return host
-        # never waited for (a session ended by an EOS leaves its step ahead): the buffer goes back
-        # to CuPy's pinned pool only once the copy has landed, or a later buffer could take it
-        weakref.finalize(wait, _landed, copied, host).atexit = False
-        return wait
+        return host_copy_later(a)
 
     def contiguous(self, a):
         return cp.ascontiguousarray(a)

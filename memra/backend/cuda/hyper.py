@@ -13,7 +13,7 @@ import cupy as cp
 
 from memra.backend.cuda.prime import is_prime, prime_hc_partials
 from memra.backend.cuda.runtime import BLOCK, columns_grid, device_input, f32, i32, launch
-from memra.backend.cuda.streams import fork
+from memra.backend.cuda.streams import fork, join
 from memra.kernels_cu.constants import HC_CHUNK, HC_MAX_N, HC_ROWS, HC_SLOTS
 
 
@@ -40,10 +40,8 @@ class HyperOps:
         part = _partials(streams, fn)  # read by the side stream: alive until the join below
         pre, post, comb = _site_weights(t, n)
         main, side = fork("mix")
-        mixed = cp.cuda.Event(disable_timing=True)
         with side:
             _mix(part, base, scale, pre, post, comb, d, rms_eps, hc_eps, iters)
-        mixed.record(side)
         try:
             collapsed = cp.empty((t, d), cp.float32)
             launch("hyper", "hc_collapse_site", columns_grid(t, d), (BLOCK,),
@@ -51,7 +49,7 @@ class HyperOps:
                     f32(rms_eps), f32(hc_eps)))
             f = block(collapsed)
         finally:  # joined even when block raises: a capture must not end with the side stream forked
-            _join(main, mixed)
+            join(main, side)  # hc_combine reads the mix's comb and post next
         return self.hc_combine(streams, f, post, comb)
 
     def hc_collapse(self, streams, pre):
@@ -122,8 +120,3 @@ def _mix(part, base, scale, pre, post, comb, d: int, rms_eps: float, hc_eps: flo
     launch("hyper", "hc_weights", (t,), (HC_MAX_N * HC_MAX_N,),
            (part, base, scale, pre, post, comb, i32(n), i32(d), i32(part.shape[1]), f32(rms_eps),
             f32(hc_eps), i32(iters)))
-
-
-def _join(main, mixed) -> None:
-    """main waits for the side stream's mix (hc_combine reads comb and post next)."""
-    main.wait_event(mixed)

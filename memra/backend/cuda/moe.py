@@ -86,9 +86,11 @@ class MoeOps:
                shared_mem=4 * e)
         return experts, weights
 
-    def moe_experts(self, x, idx, wts, gate_w, up_w, down_w, limit: float):
+    def moe_experts(self, x, idx, wts, gate_w, up_w, down_w, limit: float, shared: bool = False):
         """sum over the row's experts (slot order) of wt * down(swiglu(gate x, up x)).
-        gate_w, up_w [E, I, D]; down_w [E, D, I]; float32, bf16 (uint16) or DeviceFp8, all alike."""
+        gate_w, up_w [E, I, D]; down_w [E, D, I]; float32, bf16 (uint16) or DeviceFp8, all alike.
+        shared: every row's last slot is the last expert (moe_route's shared slot); a prompt runs
+        it while the host reads the other experts' slot counts."""
         check(x, cp.float32, "x")
         check(idx, cp.int64, "idx")
         check(wts, cp.float32, "wts")
@@ -111,7 +113,7 @@ class MoeOps:
             out.fill(0)
             return out
         if is_prime(t) and kind != "f32":  # a prompt: cuBLAS GEMMs for the experts of many rows (prime.py)
-            return prime_experts(x, idx, wts, gate_w, up_w, down_w, limit, expert_tiles)
+            return prime_experts(x, idx, wts, gate_w, up_w, down_w, limit, expert_tiles, shared)
         y = expert_tiles(x, idx, gate_w, up_w, down_w, limit)
         launch("moe", "moe_combine", (blocks_of(t * d),), (BLOCK,),
                (y, idx, wts, out, i32(t), i32(k), i32(d), i32(e)))

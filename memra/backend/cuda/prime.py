@@ -19,6 +19,9 @@ weight once per 16 rows and run at under 2% of the tensor cores' rate on a long 
 * a routed expert serving fewer than TILE_ROWS of the prompt's slots runs on the exact tiles
   (moe.py's expert_tiles, as in a decode step): few rows do not repay its GEMMs' launches, nor
   an FP8 expert's dequantization; the exact tiles are float32-exact products too;
+* the host sizes each routed expert's GEMMs from its slot count, the one wait of an MoE block:
+  the counts' copy is started first, and the shared expert (every row's last slot) runs while
+  the host waits and issues the rest (cupy's bincount would wait for the GPU twice more);
 * a float32 weight (test fixtures) or the remaining float32 x float32 products (router logits,
   pool scores, mHC partials) run as float32 GEMMs (cupy.matmul: no TF32 unless CUPY_TF32 is set;
   the mHC partials call cuBLAS at COMPUTE_32F directly, never TF32).
@@ -31,10 +34,12 @@ from __future__ import annotations
 import numpy as np
 
 import cupy as cp
+import cupyx
 from cupy_backends.cuda.libs import cublas
 
 from memra.backend.cuda.fp8 import DeviceFp8
-from memra.backend.cuda.runtime import BLOCK, MAX_GRID, blocks_of, check, columns_grid, f32, i32, launch
+from memra.backend.cuda.runtime import (BLOCK, MAX_GRID, SHARED_BYTES, blocks_of, check, columns_grid, f32,
+                                       host_copy_later, i32, launch)
 from memra.backend.pieces import LEFT_ORDER, PIECES, RIGHT_COPIES, SEGMENTS, piece_map
 from memra.kernels_cu.constants import FP8_PIECES_WIDTH, PIECES_VECTOR
 from memra.limits import ATTEND_BYTES, ATTEND_ROWS, MOE_ROWS, VERIFY_CAP
@@ -203,56 +208,77 @@ def prime_head_linear(x, w):
     return out
 
 
-def prime_experts(x, idx, wts, gate_w, up_w, down_w, limit: float, tiles):
+def prime_experts(x, idx, wts, gate_w, up_w, down_w, limit: float, tiles, shared: bool = False):
     """The routed experts of a prompt's rows -> [t, D], MOE_ROWS rows at a time (the hidden rows
     of t * k slots in three pieces: about 1.2 KB per slot and hidden unit); `tiles`: moe.py's
-    expert_tiles, for the experts of few slots."""
+    expert_tiles, for the experts of few slots. shared: every row's last slot is the stacks' last
+    expert (moe_route's shared slot), whose rows are known without reading any count."""
     out = cp.empty_like(x)
     for r0 in range(0, x.shape[0], MOE_ROWS):
         rows = slice(r0, r0 + MOE_ROWS)
-        _experts(x[rows], idx[rows], wts[rows], gate_w, up_w, down_w, limit, tiles, out[rows])
+        _experts(x[rows], idx[rows], wts[rows], (gate_w, up_w, down_w), limit, tiles, shared, out[rows])
     return out
 
 
-def _experts(x, idx, wts, gate_w, up_w, down_w, limit: float, tiles, out) -> None:
-    """out [t, D] (a row slice: contiguous) = the routed experts of x's rows. The host reads the
-    slot counts once; the (row, slot) pairs sorted by expert, the experts of at least TILE_ROWS
-    slots first: each of those as 3m piece rows, one GEMM per weight (the hidden rows one kernel),
-    the rest on the exact tiles, their pairs gathered as rows of one slot. The weighted sum per
-    row reads each slot's output where it was made."""
-    (t, k), (e, inter, d) = idx.shape, gate_w.shape
-    flat = idx.reshape(-1)
-    counts = cp.asnumpy(cp.bincount(flat, minlength=e))
-    tiled = counts < TILE_ROWS["fp8" if isinstance(gate_w, DeviceFp8) else "bf16"]
+def _experts(x, idx, wts, stacks, limit: float, tiles, shared: bool, out) -> None:
+    """out [t, D] (a row slice: contiguous) = the experts of x's rows. The host needs the routed
+    slot counts to size each expert's GEMMs: their copy is started first, and while the host
+    waits for it and issues the routed GEMMs, the GPU sorts the (row, slot) pairs by expert (the
+    experts of at least TILE_ROWS slots first) and runs the shared expert over every row. Each
+    GEMM expert runs as 3m piece rows, one GEMM per weight (the hidden rows one kernel); the rest
+    run on the exact tiles, their pairs gathered as rows of one slot. The weighted sum per row
+    reads each slot's output where it was made: the shared expert's rows first, then the sorted
+    GEMM rows, then the tiles'."""
+    (t, k), (e, _, d) = idx.shape, stacks[0].shape
+    min_rows = TILE_ROWS["fp8" if isinstance(stacks[0], DeviceFp8) else "bf16"]
+    ahead = shared and t >= min_rows  # few rows: the shared expert is one more tiled expert
+    routed = k - ahead
+    flat = idx[:, :routed].reshape(-1)
+    counts = cp.zeros(e, cp.int32)
+    cupyx.scatter_add(counts, flat, 1)  # cp.bincount would wait for the GPU (it reads flat's max)
+    read_counts = host_copy_later(counts)
     # sort keys: a tiled expert's pairs after every GEMM expert's
-    order = cp.argsort(cp.asarray(np.arange(e) + e * tiled)[flat])
-    at = cp.empty_like(order)
-    at[order] = cp.arange(order.size, dtype=order.dtype)  # pair -> its sorted row
-    gemm = [(ex, int(m)) for ex, m in enumerate(counts) if m and not tiled[ex]]
-    starts = np.cumsum([0] + [m for _, m in gemm]).tolist()
-    slots = starts[-1]  # the GEMM experts' pairs, sorted rows 0..slots-1
-    pairs = order[slots:]
-    tile_out = None if not pairs.size else tiles(
-        x[pairs // k], flat[pairs].reshape(-1, 1), gate_w, up_w, down_w, limit)
-    down = None
+    order = cp.argsort((cp.arange(e) + e * (counts < min_rows))[flat])
+    at = cp.empty((t, k), order.dtype)  # slot -> the row its output is read from
+    base = t if ahead else 0            # the shared expert's rows
+    sorted_row = cp.empty_like(order)
+    sorted_row[order] = cp.arange(base, base + order.size, dtype=order.dtype)
+    at[:, :routed] = sorted_row.reshape(t, routed)
+    down = _expert_rows((t * k, PIECES, d), stacks[2])  # every slot's output rows at most
+    handle = _handle()
+    if ahead:
+        at[:, routed] = cp.arange(t, dtype=order.dtype)
+        _gemm_experts(handle, pieces(x), [(e - 1, t, 0)], stacks, limit, down)
+    gemm = [(ex, int(m)) for ex, m in enumerate(read_counts()) if m and m >= min_rows]
+    starts = np.cumsum([base] + [m for _, m in gemm]).tolist()
+    gemm_rows = starts[-1]  # the shared and the GEMM experts' rows of down
+    slots = gemm_rows - base
     if slots:
-        xp = pieces(x, order[:slots] // k)
-        gate, up = _expert_rows((slots, PIECES, inter), gate_w), _expert_rows((slots, PIECES, inter), up_w)
-        handle = _handle()
-        for (ex, m), start in zip(gemm, starts):
-            src = xp.data.ptr + 2 * PIECES * start * d
-            _expert_gemm(handle, src, d, m, gate_w, ex, gate.data.ptr + 4 * PIECES * start * inter)
-            _expert_gemm(handle, src, d, m, up_w, ex, up.data.ptr + 4 * PIECES * start * inter)
-        hidden = cp.empty((slots, PIECES, inter), cp.uint16)
-        width = _width(inter, PIECES_VECTOR, gate, up, hidden)
-        launch("prime", "swiglu_pieces", columns_grid(slots, inter // width), (BLOCK,),
-               (gate, up, hidden, np.int64(slots), i32(inter), f32(limit), i32(width)))
-        down = _expert_rows((slots, PIECES, d), down_w)
-        for (ex, m), start in zip(gemm, starts):
-            _expert_gemm(handle, hidden.data.ptr + 2 * PIECES * start * inter, inter, m, down_w, ex,
-                         down.data.ptr + 4 * PIECES * start * d)
+        plan = [(ex, m, start - base) for (ex, m), start in zip(gemm, starts)]
+        _gemm_experts(handle, pieces(x, order[:slots] // routed), plan, stacks, limit, down, base)
+    pairs = order[slots:]
+    tile_out = None if not pairs.size else tiles(x[pairs // routed], flat[pairs].reshape(-1, 1), *stacks, limit)
     launch("prime", "expert_combine", columns_grid(t, d), (BLOCK,),
-           (down, np.int64(slots), tile_out, at, wts, out, i32(t), i32(k), i32(d)))
+           (down, np.int64(gemm_rows), tile_out, at, wts, out, i32(t), i32(k), i32(d)))
+
+
+def _gemm_experts(handle: int, xp, plan, stacks, limit: float, down, base: int = 0) -> None:
+    """Experts on GEMMs: plan [(expert, m, first row)] over the piece rows xp [slots, 3, D] of
+    their slots, expert by expert; each slot's output pieces into down's row base + its row."""
+    gate_w, up_w, down_w = stacks
+    slots, (_, inter, d) = xp.shape[0], gate_w.shape
+    gate, up = _expert_rows((slots, PIECES, inter), gate_w), _expert_rows((slots, PIECES, inter), up_w)
+    for ex, m, start in plan:
+        src = xp.data.ptr + 2 * PIECES * start * d
+        _expert_gemm(handle, src, d, m, gate_w, ex, gate.data.ptr + 4 * PIECES * start * inter)
+        _expert_gemm(handle, src, d, m, up_w, ex, up.data.ptr + 4 * PIECES * start * inter)
+    hidden = cp.empty((slots, PIECES, inter), cp.uint16)
+    width = _width(inter, PIECES_VECTOR, gate, up, hidden)
+    launch("prime", "swiglu_pieces", columns_grid(slots, inter // width), (BLOCK,),
+           (gate, up, hidden, np.int64(slots), i32(inter), f32(limit), i32(width)))
+    for ex, m, start in plan:
+        _expert_gemm(handle, hidden.data.ptr + 2 * PIECES * start * inter, inter, m, down_w, ex,
+                     down.data.ptr + 4 * PIECES * (base + start) * d)
 
 
 def prime_hc_partials(streams, fn):
@@ -354,8 +380,10 @@ def prime_attend(q_lat, latent, positions, scale: float):
         scores = cp.empty((rows, ctx), cp.float32)
         _six_products(handle, rows, ctx, rank, left, keys, scores.data.ptr, right_is_kn=False)
         probs = cp.empty((rows, PIECES * ctx), cp.uint16)
+        cached = 4 * ctx <= SHARED_BYTES  # a row's scores in shared memory: read from global memory once
         launch("prime", "masked_softmax_pieces", (rows,), (BLOCK,),
-               (scores, keep, probs, i32(h), i32(ctx), f32(scale), i32(piece_map(LEFT_ORDER))))
+               (scores, keep, probs, i32(h), i32(ctx), f32(scale), i32(piece_map(LEFT_ORDER)), i32(cached)),
+               4 * ctx if cached else 0)
         values = cp.empty((copies * ctx, rank), cp.uint16)  # the mix's right operand: stacked copies
         put_piece_copies(latent[:ctx], values, RIGHT_COPIES, rank, ctx * rank)
         _six_products(handle, rows, rank, ctx, probs, values, out.data.ptr + 4 * r0 * h * rank, right_is_kn=True)

@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import weakref
 from importlib import resources
 
 import numpy as np
 
 import cupy as cp
+import cupyx
 from cuda.bindings import driver
 
 from memra.kernels_cu.constants import DEFINES, FLAGS
@@ -170,6 +172,27 @@ def position(at):
         return at
     assert int(at) >= 0, f"position {at} must be >= 0"
     return cp.asarray(np.array([at], np.int32))
+
+
+def host_copy_later(a):
+    """A copy of `a` to pinned host memory, enqueued behind the work so far without waiting for
+    it -> a function that waits for the copy alone (work queued after it runs on) and returns it."""
+    host = cupyx.empty_pinned(a.shape, a.dtype)
+    a.get(out=host, blocking=False)
+    copied = cp.cuda.Event(disable_timing=True)
+    copied.record()
+
+    def wait() -> np.ndarray:
+        copied.synchronize()
+        return host
+    # never waited for (a session ended by an EOS leaves its step ahead): the buffer goes back
+    # to CuPy's pinned pool only once the copy has landed, or a later buffer could take it
+    weakref.finalize(wait, _landed, copied, host).atexit = False
+    return wait
+
+
+def _landed(copied, host) -> None:
+    copied.synchronize()
 
 
 def check(a, dtype=cp.float32, name: str = "array"):

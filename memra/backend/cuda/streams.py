@@ -39,6 +39,13 @@ def fork(lane: str) -> tuple["cp.cuda.Stream", "cp.cuda.Stream"]:
     return main, side
 
 
+def join(main: "cp.cuda.Stream", side: "cp.cuda.Stream") -> None:
+    """main waits for everything launched on side so far."""
+    done = cp.cuda.Event(disable_timing=True)
+    done.record(side)
+    main.wait_event(done)
+
+
 class Beside:
     """fn() launched on the "beside" side stream, after everything launched so far; leaving the
     `with` block makes the main stream wait for it (always, as does fn raising: a capture must
@@ -56,9 +63,7 @@ class Beside:
             raise
 
     def _join(self) -> None:
-        done = cp.cuda.Event(disable_timing=True)
-        done.record(self._side)
-        self._main.wait_event(done)
+        join(self._main, self._side)
         self._fn = None
 
     def __enter__(self) -> "Beside":

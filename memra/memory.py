@@ -39,6 +39,7 @@ import os
 import re
 
 from memra.backend.numpy_kda import kda_mark_count, kda_record_width
+from memra.backend.pieces import head_group
 from memra.checkpoint_fp8 import SCALE_SUFFIX
 from memra.errors import CheckpointError, InputError
 from memra.limits import ATTEND_BYTES, ATTEND_ROWS, MOE_ROWS, PRIME_CHUNK, VERIFY_CAP
@@ -244,9 +245,7 @@ def prime_buffer_bytes(cfg, layers, max_ctx: int) -> int:
     * routed experts (sparse MLP), MOE_ROWS rows at a time, k + n_shared slots a row, each slot's
       activation pieces, gate and up GEMM rows, hidden pieces and down GEMM rows (18 D + 30 I bytes;
       a slot of an expert on the exact tiles needs less: its row, hidden row and output, 8 D + 4 I);
-    * DSA attention: the absorbed queries and outputs (2 x heads x rank floats a row), the key and
-      value piece copies over the whole span (six bf16 copies each: 24 x rank bytes a position)
-      and one chunk's scores and probability pieces (4 + 6 bytes a score, at most ATTEND_BYTES);
+    * DSA attention, the larger of its two forms (_attention_bytes);
     * KDA: eleven float32 [C] rows a row (projections, the q, k, v planes, normalised q and k,
       gate, output and its gate).
     Times PRIME_MARGIN. On the H200 the sum before the margin is 0.5-1% above the peak a
@@ -259,13 +258,29 @@ def prime_buffer_bytes(cfg, layers, max_ctx: int) -> int:
         slots = min(rows, MOE_ROWS) * (cfg.num_experts_per_tok + cfg.n_shared_experts)
         phases.append(slots * (18 * d + 30 * i))
     if any(cfg.layer_types[j] == DSA for j in layers):
-        heads = cfg.num_attention_heads
-        scores = min(ATTEND_BYTES, min(rows, ATTEND_ROWS) * heads * max_ctx * (F32 + 6))
-        phases.append(2 * rows * heads * ranks * F32 + 24 * ranks * max_ctx + scores)
+        phases.append(_attention_bytes(cfg, rows, max_ctx))
     if any(cfg.layer_types[j] == KDA for j in layers):
         phases.append(11 * rows * cfg.linear_dim * F32)
     streams = rows * (2 * cfg.hc_mult + 6) * d * F32
     return math.ceil(PRIME_MARGIN * (streams + max(phases)))
+
+
+def _attention_bytes(cfg, rows: int, max_ctx: int) -> int:
+    """A prompt's DSA attention over `rows` rows and a `max_ctx` span, the larger of its forms:
+    absorbed, the queries and outputs in the latent (2 x heads x rank floats a row), the key and
+    value piece copies over the span (six bf16 copies each: 24 x rank bytes a position) and one
+    chunk's scores and probability pieces (4 + 6 bytes a score, at most ATTEND_BYTES); per head
+    (where it runs: pieces.head_group), the outputs (heads x dv floats a row), the latent's pieces,
+    one pass of heads' expanded keys and values and that pass's chunk of scores."""
+    heads, rank, dn, dv = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+    chunk = min(rows, ATTEND_ROWS)
+    scores = lambda h: min(ATTEND_BYTES, chunk * h * max_ctx * (F32 + 6))
+    absorbed = 2 * rows * heads * rank * F32 + 24 * rank * max_ctx + scores(heads)
+    group = head_group(max_ctx, heads, dn, dv, ATTEND_BYTES) if dn + dv < 2 * rank else 0
+    if not group:
+        return absorbed
+    expanded = group * max_ctx * (12 * dn + 6 * dv + F32 * max(dn, dv))
+    return max(absorbed, rows * heads * dv * F32 + 6 * rank * max_ctx + expanded + scores(group))
 
 
 def cache_bytes(cfg) -> tuple[int, int]:

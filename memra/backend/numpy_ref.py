@@ -305,6 +305,13 @@ class NumpyBackend(NumpyHyperOps, NumpyKdaOps, NumpyDraftOps, NumpyFilterOps):
             out[r, :cols.size + tail.size] = np.concatenate([cols, tail])
         return out
 
+    def mla_attention(self, q: np.ndarray, latent: np.ndarray, positions: np.ndarray, w_uk_t: np.ndarray,
+                      w_uv: np.ndarray, scale: float):
+        """MLA attention of per-head queries q [t, H, dn] in the absorbed form: o [t, H, dv] =
+        W_UV[h] mla_attend(W_UK[h]^T q[h]), w_uk_t [H, R, dn], w_uv [H, dv, R] (the CUDA backend
+        runs a prompt per head: keys and values expanded from the latent, the same sums reordered)."""
+        return self.head_linear(self.mla_attend(self.head_linear(q, w_uk_t), latent, positions, scale), w_uv)
+
     def mla_attend(self, q_lat: np.ndarray, latent: np.ndarray, positions: np.ndarray, scale: float):
         """Absorbed MLA attention over each row's position list.
 

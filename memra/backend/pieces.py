@@ -15,7 +15,12 @@ one as six copies (RIGHT_COPIES), so each GEMM is one contiguous K range of each
     mid * mid + hi * mid       left[1:3]    right[1:3]
     lo * hi + mid * hi + hi * hi   left[0:3]    right[3:6]
 
-    y = emulate(a, b)   # float64 of the six piece products, float32 sums per GEMM: the CPU twin
+The per-head form of a prompt's MLA attention (keys and values expanded per head) keeps the same
+six products, HEAD_PRODUCTS in K order, smallest first: its scores are ONE GEMM over six copies
+of each operand (one pass over the float32 scores where three GEMMs would make three), its mixes
+six GEMMs of one product each (the probabilities keep three pieces; the values are not copied).
+
+    y = emulate(a, b, products())   # float64 of the piece products, float32 sums per GEMM: the CPU twin
 """
 
 from __future__ import annotations
@@ -26,11 +31,21 @@ PIECES = 3                              # hi, mid, lo
 LEFT_ORDER = (2, 1, 0)                  # the left operand's pieces in K order: lo, mid, hi
 RIGHT_COPIES = (2, 1, 1, 0, 0, 0)       # the right operand's six piece copies in K order
 SEGMENTS = ((2, 0, 1), (1, 1, 2), (0, 3, 3))  # (left start, right start, length), in pieces; run in order
+HEAD_PRODUCTS = ((0, 2), (2, 0), (1, 1), (0, 1), (1, 0), (0, 0))  # (left piece, right piece), K order
 
 
 def piece_map(order) -> int:
     """The pieces of `order` as the int a piece_copies kernel takes: 2 bits per copy, first lowest."""
     return sum(piece << (2 * s) for s, piece in enumerate(order))
+
+
+def head_group(span: int, heads: int, dn: int, dv: int, budget: int) -> int:
+    """Heads per pass of the per-head attention (backend/cuda/prime.py): as many as keep their
+    keys' six copies, their values' three pieces and one float32 plane over `span` positions
+    within `budget` bytes, in passes of equal size; 0 where one head does not fit (the absorbed
+    form runs then)."""
+    most = budget // (max(span, 1) * (2 * len(HEAD_PRODUCTS) * dn + 2 * PIECES * dv + 4 * max(dn, dv)))
+    return -(-heads // -(-heads // most)) if most else 0
 
 
 def products(segments=SEGMENTS) -> list[list[tuple[int, int]]]:
@@ -47,12 +62,13 @@ def split(x: np.ndarray) -> list[np.ndarray]:
     return [hi, mid, rest - mid]
 
 
-def emulate(a: np.ndarray, b: np.ndarray, segments=SEGMENTS, k_tile: int = 16) -> np.ndarray:
-    """a [m, k] @ b [k, n] as the GPU sums it: per GEMM, exact bf16 products summed in float64
-    over k_tile in-features, each tile's sum added to the float32 C and rounded (an MMA step)."""
+def emulate(a: np.ndarray, b: np.ndarray, gemms: list[list[tuple[int, int]]], k_tile: int = 16) -> np.ndarray:
+    """a [m, k] @ b [k, n] as the GPU sums it: per GEMM (its (left piece, right piece) products
+    in K order), exact bf16 products summed in float64 over k_tile in-features, each tile's sum
+    added to the float32 C and rounded (an MMA step)."""
     left, right = split(a), split(b)
     out = np.zeros((a.shape[0], b.shape[1]), np.float32)
-    for gemm in products(segments):
+    for gemm in gemms:
         lhs = np.concatenate([left[i] for i, _ in gemm], axis=1).astype(np.float64)
         rhs = np.concatenate([right[j] for _, j in gemm], axis=0).astype(np.float64)
         for k0 in range(0, lhs.shape[1], k_tile):

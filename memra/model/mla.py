@@ -1,7 +1,8 @@
 """Multi-head Latent Attention (NoPE) behind the DSA kpool indexer.
 
 Every DSA layer caches one latent row c = RMSNorm(kv_a x) per position and attends in the
-absorbed form: q_lat[h] = W_UK[h]^T q_nope[h], o[h] = W_UV[h] sum_j p[h, j] c_j. Which
+absorbed form: q_lat[h] = W_UK[h]^T q_nope[h], o[h] = W_UV[h] sum_j p[h, j] c_j (the backend's
+mla_attention; a prompt on CUDA attends per head, to keys and values expanded from c). Which
 positions a row attends comes from the kpool indexer: complete pools of P keys are scored
 against the row's indexer query, the best index_topk / P pools win, and the incomplete tail
 pool is always attended (dense while the row sees no more pools than the budget).
@@ -85,6 +86,5 @@ class MlaMixer:
             selection = self.indexer(indexed, qr, plane, at)
         # the whole plane: the selection names only positions below the walk's last row; the
         # plane holds the walk's first position's rows (LatentPlane.check), so its length is pos0
-        o_lat = be.mla_attend(be.head_linear(q, self.w_uk_t), plane.latent, selection, self.scale)
-        o = be.head_linear(o_lat, self.w_uv).reshape(t, h * dv)
+        o = be.mla_attention(q, plane.latent, selection, self.w_uk_t, self.w_uv, self.scale).reshape(t, h * dv)
         return be.linear(o, self.o_proj), selection

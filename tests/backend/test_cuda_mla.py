@@ -43,6 +43,7 @@ TOL = {
     "kpool_compress": (2e-5, 2e-6),  # softmax over P slots: expf ulps, P products
     "kpool_select": (0.0, 0.0),  # positions: exact
     "mla_attend": (1e-4, 1e-5),  # dots over R, softmax over <= W positions, sum of p_j c_j
+    "mla_attention": (1e-4, 1e-5),  # mla_attend between two per-head projections
 }
 
 
@@ -109,6 +110,19 @@ def _mla_lists(h, rank, width, plane):
     return make, lambda be, r, s: be.mla_attend(r["q_lat"], s["latent"], r["positions"], F32(rank ** -0.5))
 
 
+def _mla_heads(h, rank, dn, dv, pos0):
+    """mla_attention of per-head queries on _mla's lists: dn + dv < 2 rank, so a prompt attends
+    per head (float32 weights: cupy.matmul expands the keys and values)."""
+    make_lists, _ = _mla(h, rank, pos0)
+
+    def make(rng, t):
+        rows, shared = make_lists(rng, t)
+        shared.update(w_uk_t=normal(rng, (h, rank, dn), dn ** -0.5), w_uv=normal(rng, (h, dv, rank), rank ** -0.5))
+        return {"q": normal(rng, (t, h, dn)), "positions": rows["positions"]}, shared
+    return make, lambda be, r, s: be.mla_attention(r["q"], s["latent"], r["positions"], s["w_uk_t"], s["w_uv"],
+                                                   F32(dn ** -0.5))
+
+
 case = table(TOL)
 CASES = [
     case("kpool_compress_mini", *_compress(8), ts=(1, 7, 15, 16)),
@@ -132,6 +146,8 @@ CASES = [
     # prime class: dense GEMMs under the selection's mask (backend/cuda/prime.py)
     case("mla_attend_prime", *_mla(4, 32, 3), gates=frozenset({NUMPY}), ts=(16, 40)),
     case("mla_attend_prime_dense", *_mla(3, 67, 0), gates=frozenset({NUMPY}), ts=(40,)),
+    case("mla_attention_small", *_mla_heads(4, 32, 8, 16, 49)),
+    case("mla_attention_prime", *_mla_heads(4, 32, 8, 16, 3), gates=frozenset({NUMPY}), ts=(16, 40)),
 ]
 
 

@@ -10,7 +10,9 @@ run as cuBLAS GEMMs, accurate rather than row invariant (DESIGN.md section 2). T
 * a per-head projection (the MLA's W_UK, W_UV) runs batched over the heads within PRIME_REL;
 * the attention (scores, masked softmax, mix as six-product bf16 GEMMs, backend/pieces.py) at
   bench widths stays within ATTEND_REL of a float64 reference, and dropping any one 2^-16
-  product breaks that bound (the CPU twin of the gate: test_prime_pieces.py);
+  product breaks that bound (the CPU twin of the gate: test_prime_pieces.py); so does the
+  per-head form (keys and values expanded from the latent) that a prompt's MLA layers run,
+  in one pass of heads or several, and the absorbed form it falls back to;
 * a whole prompt primed in one prime-class walk ends in logits within PRIME_LOGITS of the same
   prompt primed through the exact class (walks of at most VERIFY_CAP rows), and a perturbed
   weight on the prime side alone is caught, and so is a broken chunked KDA scan (the prompt's
@@ -179,6 +181,60 @@ def test_red_arm_a_dropped_attention_product_breaks_the_bound(bench_attention, m
     q, latent, positions, want, bound = bench_attention
     monkeypatch.setattr(prime, "SEGMENTS", without(product))
     assert _rel_error(_attend(q, latent, positions), want) > bound
+
+
+@pytest.fixture(scope="module")
+def bench_heads(bench_attention):
+    """bench_attention's lists and latent with per-head queries [40, 64, 256] and bf16 W_UK^T,
+    W_UV (bench's dn = dv = 256, R = 512), the float64 reference, and the bound: ATTEND_VS_SGEMM
+    times the error of the same attention as float32 GEMMs."""
+    _, latent, positions, _, _ = bench_attention
+    rng = np.random.default_rng(12)
+    q = normal(rng, (40, 64, 256)) * np.float32(1.5)
+    w_uk_t = f32_to_bf16(normal(rng, (64, 512, 256), 256 ** -0.5))
+    w_uv = f32_to_bf16(normal(rng, (64, 256, 512), 512 ** -0.5))
+    uk, uv = (bf16_to_f32(w).astype(np.float64) for w in (w_uk_t, w_uv))
+    q_lat = np.einsum("thd,hrd->thr", q.astype(np.float64), uk)
+    want = np.einsum("thr,hvr->thv", attend_reference(q_lat, latent, positions, SCALE), uv)
+    q_lat32 = cp.matmul(cp.asarray(q).transpose(1, 0, 2), cp.asarray(bf16_to_f32(w_uk_t)).transpose(0, 2, 1)).transpose(1, 0, 2)
+    o_lat32 = _sgemm_attend(cp.asnumpy(q_lat32), latent, positions, SCALE)
+    sgemm = cp.matmul(o_lat32.transpose(1, 0, 2), cp.asarray(bf16_to_f32(w_uv)).transpose(0, 2, 1)).transpose(1, 0, 2)
+    args = tuple(cp.asarray(a) for a in (q, latent, positions, w_uk_t, w_uv))
+    return args, want, ATTEND_VS_SGEMM * _rel_error(sgemm, want)
+
+
+def _attention(args, monkeypatch, rows: int, attend_bytes: int):
+    """MlaOps.mla_attention of a prompt with ATTEND_ROWS and ATTEND_BYTES set, and the head
+    passes it ran (prime_attend_heads's head_group; 0: the absorbed form)."""
+    from memra.backend.cuda.mla import MlaOps
+
+    monkeypatch.setattr(prime, "ATTEND_ROWS", rows)
+    monkeypatch.setattr(prime, "ATTEND_BYTES", attend_bytes)
+    groups, group = [], prime.head_group
+    monkeypatch.setattr(prime, "head_group", lambda *a: groups.append(group(*a)) or groups[-1])
+    got = cp.asnumpy(MlaOps().mla_attention(*args, SCALE))
+    return got, groups
+
+
+@pytest.mark.parametrize("attend_bytes, group", [(1 << 30, 64), (300 << 20, 22), (1 << 20, 0)],
+                         ids=["one_pass", "three_passes", "absorbed"])
+def test_prime_attention_per_head_is_float32_accurate(bench_heads, monkeypatch, attend_bytes, group):
+    """A prompt's MLA attention from per-head queries: one pass of 64 heads, three of 22 (the
+    expanded keys and values budgeted by ATTEND_BYTES), or the absorbed form where one head's do
+    not fit; rows in chunks of 16 (three), all within the float32-GEMM attention's bound."""
+    args, want, bound = bench_heads
+    got, groups = _attention(args, monkeypatch, 16, attend_bytes)
+    assert groups == [group]
+    assert not got[-1].any()  # the row listing nothing attends nothing
+    assert _rel_error(got, want) <= bound
+
+
+@pytest.mark.parametrize("product", [(2, 0), (1, 1), (0, 2)], ids=["lo_hi", "mid_mid", "hi_lo"])
+def test_red_arm_the_per_head_attention_less_a_product_breaks_the_bound(bench_heads, monkeypatch, product):
+    args, want, bound = bench_heads
+    monkeypatch.setattr(prime, "HEAD_PRODUCTS", tuple(p for p in prime.HEAD_PRODUCTS if p != product))
+    got, groups = _attention(args, monkeypatch, 16, 1 << 30)
+    assert groups == [64] and _rel_error(got, want) > bound
 
 
 def test_a_long_prompts_experts_go_in_row_chunks(monkeypatch):

@@ -146,6 +146,12 @@ def _make_mla_attend(rng, t):
     return rows, {"latent": normal(rng, (MLA_LEN, 32))}
 
 
+def _make_mla_attention(rng, t):
+    rows, shared = _make_mla_attend(rng, t)
+    shared.update(w_uk_t=normal(rng, (4, 32, 8), 8 ** -0.5), w_uv=normal(rng, (4, 16, 32), 32 ** -0.5))
+    return {"q": normal(rng, (t, 4, 8)), "positions": rows["positions"]}, shared
+
+
 KPOOL_POS0 = 5  # rows 5..19: n = (p+1)//4 runs 1..5 pools, so dense and sparse rows mix (G=2)
 
 
@@ -206,6 +212,8 @@ ROW_CASES = [
           lambda be, r, s, _: be.moe_experts(r["x"], r["idx"], r["wts"], s["gate_w"], s["up_w"], s["down_w"], 10.0)),
     _case("mla_attend", _make_mla_attend,
           lambda be, r, s, _: be.mla_attend(r["q_lat"], s["latent"], r["positions"], 32 ** -0.5)),
+    _case("mla_attention", _make_mla_attention,
+          lambda be, r, s, _: be.mla_attention(r["q"], s["latent"], r["positions"], s["w_uk_t"], s["w_uv"], 8 ** -0.5)),
     _case("kpool_select", _make_kpool_select,
           lambda be, r, s, r0: be.kpool_select(r["q"], r["w"], s["pool_keys"], KPOOL_POS0 + r0, 4, 2, 11, 16 ** -0.5)),
 ]

@@ -21,20 +21,21 @@ ATTEND_REL = 2e-5  # max |o - o64| / rms(o64) of the attention output; a float32
 SCALE = 256 ** -0.5
 
 
-def _attend(q, latent, positions, segments):
-    """The GPU path's arithmetic in numpy: emulated scores, float32 masked softmax, emulated mix."""
+def _attend(q, latent, positions, scores_gemms, mix_gemms=None):
+    """The GPU path's arithmetic in numpy: emulated scores, float32 masked softmax, emulated mix
+    (each GEMMs' products in K order; the mix's those of the scores unless given)."""
     t, h, rank = q.shape
     ctx = latent.shape[0]
     keep = np.zeros((t, ctx), bool)
     for r in range(t):
         keep[r, positions[r][positions[r] >= 0]] = True
-    scores = pieces.emulate(q.reshape(t * h, rank), latent.T.copy(), segments).reshape(t, h, ctx)
+    scores = pieces.emulate(q.reshape(t * h, rank), latent.T.copy(), scores_gemms).reshape(t, h, ctx)
     z = np.where(keep[:, None, :], scores * np.float32(SCALE), np.float32(-np.inf))
     top = z.max(axis=2, keepdims=True)
     e = np.where(keep[:, None, :], np.exp(z - np.where(np.isfinite(top), top, 0)), 0).astype(np.float32)
     total = e.sum(axis=2, keepdims=True)
     probs = np.where(total > 0, e / np.where(total > 0, total, 1), 0).astype(np.float32)
-    return pieces.emulate(probs.reshape(t * h, ctx), latent, segments).reshape(t, h, rank)
+    return pieces.emulate(probs.reshape(t * h, ctx), latent, mix_gemms or scores_gemms).reshape(t, h, rank)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_pieces_add_back_exactly_and_are_bf16():
 
 def test_emulated_attention_is_float32_accurate(case):
     q, latent, positions, want = case
-    assert _rel_error(_attend(q, latent, positions, pieces.SEGMENTS), want) <= ATTEND_REL
+    assert _rel_error(_attend(q, latent, positions, pieces.products()), want) <= ATTEND_REL
 
 
 def without(product, segments=pieces.SEGMENTS):
@@ -86,4 +87,26 @@ def without(product, segments=pieces.SEGMENTS):
 def test_red_arm_a_dropped_2_to_the_minus_16_product_breaks_the_bound(case, product):
     q, latent, positions, want = case
     assert sum(map(len, pieces.products(without(product)))) == 5
-    assert _rel_error(_attend(q, latent, positions, without(product)), want) > ATTEND_REL
+    assert _rel_error(_attend(q, latent, positions, pieces.products(without(product))), want) > ATTEND_REL
+
+
+def _head_gemms(products=pieces.HEAD_PRODUCTS):
+    """The per-head form's GEMMs: the scores' one over every product, the mix's one a product."""
+    return [list(products)], [[pair] for pair in products]
+
+
+def test_the_per_head_form_keeps_the_same_six_products_smallest_first():
+    assert sorted(pieces.HEAD_PRODUCTS) == sorted(pair for gemm in pieces.products() for pair in gemm)
+    assert [i + j for i, j in pieces.HEAD_PRODUCTS] == sorted((i + j for i, j in pieces.HEAD_PRODUCTS), reverse=True)
+
+
+def test_emulated_per_head_attention_is_float32_accurate(case):
+    q, latent, positions, want = case
+    assert _rel_error(_attend(q, latent, positions, *_head_gemms()), want) <= ATTEND_REL
+
+
+@pytest.mark.parametrize("product", [(2, 0), (1, 1), (0, 2)], ids=["lo_hi", "mid_mid", "hi_lo"])
+def test_red_arm_the_per_head_form_less_a_2_to_the_minus_16_product_breaks_the_bound(case, product):
+    q, latent, positions, want = case
+    kept = tuple(pair for pair in pieces.HEAD_PRODUCTS if pair != product)
+    assert _rel_error(_attend(q, latent, positions, *_head_gemms(kept)), want) > ATTEND_REL

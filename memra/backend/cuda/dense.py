@@ -176,6 +176,25 @@ def _kind(w) -> str:
     return "fp8" if isinstance(w, DeviceFp8) else weight_kind(w, "w")
 
 
+def head_linear(x, w):
+    """Per-head projection: y[r, h] = w[h] @ x[r, h]; x [t, H, in], w [H, out, in]. More than
+    VERIFY_CAP rows (a prompt) go to cuBLAS, batched over the heads (prime.py)."""
+    kind = weight_kind(w, "w")
+    check(x, cp.float32, "x")
+    heads, n_out, n_in = w.shape
+    assert x.ndim == 3 and x.shape[1:] == (heads, n_in), \
+        f"x: expected [t, {heads}, {n_in}], got {x.shape}"
+    t = x.shape[0]
+    if is_prime(t):
+        return prime_head_linear(x, w)
+    out = cp.empty((t, heads, n_out), cp.float32)
+    if t and heads and n_out:
+        suffix, blocks = projection(kind, t, n_out)
+        launch("dense", f"head_linear_{suffix}", (blocks, heads), (BLOCK,),
+               (x, w, out, i32(t), i32(n_in), i32(n_out)))
+    return out
+
+
 class DenseOps:
     def embed(self, table, ids):
         """table [vocab, D] (float32 or bf16 bits), ids any int shape (host or device) ->
@@ -225,22 +244,8 @@ class DenseOps:
         return [_linear_f32(x, w) if k == "f32" else y for w, k, y in zip(ws, kinds, out)]
 
     def head_linear(self, x, w):
-        """Per-head projection: y[r, h] = w[h] @ x[r, h]; x [t, H, in], w [H, out, in]. More than
-        VERIFY_CAP rows (a prompt) go to cuBLAS, batched over the heads (prime.py)."""
-        kind = weight_kind(w, "w")
-        check(x, cp.float32, "x")
-        heads, n_out, n_in = w.shape
-        assert x.ndim == 3 and x.shape[1:] == (heads, n_in), \
-            f"x: expected [t, {heads}, {n_in}], got {x.shape}"
-        t = x.shape[0]
-        if is_prime(t):
-            return prime_head_linear(x, w)
-        out = cp.empty((t, heads, n_out), cp.float32)
-        if t and heads and n_out:
-            suffix, blocks = projection(kind, t, n_out)
-            launch("dense", f"head_linear_{suffix}", (blocks, heads), (BLOCK,),
-                   (x, w, out, i32(t), i32(n_in), i32(n_out)))
-        return out
+        """Per-head projection: y[r, h] = w[h] @ x[r, h]; x [t, H, in], w [H, out, in]."""
+        return head_linear(x, w)
 
     def silu(self, x):
         check(x, cp.float32, "x")

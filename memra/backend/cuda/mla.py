@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import cupy as cp
 
-from memra.backend.cuda.prime import is_prime, prime_attend, prime_pool_scores
+from memra.backend.cuda.dense import head_linear
+from memra.backend.cuda.prime import is_prime, prime_attend, prime_attend_heads, prime_pool_scores
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, kernel, launch, opt_in, position
 from memra.kernels_cu.constants import KPOOL_POOLS, MIX_CHANNELS, MIX_SPLIT, MIX_STEP
 from memra.limits import LONG_LIST
@@ -114,6 +115,22 @@ class MlaOps:
         launch("kpool", "kpool_select", (t,), (BLOCK,),
                (scores, out, at, i32(pool), i32(budget), i32(width), i32(max(nmax, 1))))
         return out
+
+    def mla_attention(self, q, latent, positions, w_uk_t, w_uv, scale: float):
+        """o [t, H, dv] = W_UV[h] mla_attend(W_UK[h]^T q[h]) for per-head queries q [t, H, dn],
+        w_uk_t [H, R, dn], w_uv [H, dv, R]. A prompt whose per-head keys and values are narrower
+        than the latent (dn + dv < 2 R) attends per head instead (prime_attend_heads): fewer products."""
+        check(q, cp.float32, "q")
+        t, h, dn = q.shape
+        rank, dv = w_uk_t.shape[1], w_uv.shape[1]
+        assert w_uk_t.shape == (h, rank, dn) and w_uv.shape == (h, dv, rank), f"w_uk_t {w_uk_t.shape}, w_uv {w_uv.shape}"
+        if is_prime(t) and dn + dv < 2 * rank and h * positions.shape[1]:
+            check(latent, cp.float32, "latent")
+            check(positions, cp.int32, "positions")
+            out = prime_attend_heads(q, latent, positions, w_uk_t, w_uv, scale)
+            if out is not None:
+                return out
+        return head_linear(self.mla_attend(head_linear(q, w_uk_t), latent, positions, scale), w_uv)
 
     def mla_attend(self, q_lat, latent, positions, scale: float):
         """o_lat [t, H, R] = sum_j softmax_j(scale q_lat . c_j) c_j over each row's positions."""

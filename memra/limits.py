@@ -16,9 +16,13 @@ MIN_SESSION_ROOM = 4       # a session needs the prompt plus this much to run on
 PRIME_CHUNK = 8192         # prompt rows per prefill walk: a longer prompt walks in chunks, which
                            # bounds its transient buffers (activations, pieces, scores) by this
 MOE_ROWS = 4096            # prompt rows per routed-experts pass (CUDA prime class)
-ATTEND_BYTES = 1 << 30     # scores (float32) and probability pieces one prompt attention chunk may hold
+ATTEND_BYTES = 2 << 30     # scores (float32) and probability pieces one prompt attention chunk may
+                           # hold, and one pass of heads' expanded keys and values (the per-head form)
 ATTEND_ROWS = 256          # rows per prompt attention chunk at most: a chunk scores up to its last
                            # row's context, so short chunks waste little of the causal triangle
+HEAD_ROWS = 512            # the same for the per-head form, whose GEMMs take a chunk's rows of ONE
+                           # head: at 256 they were bound by reading their operands (bench, H200:
+                           # 512 rows 12.4 ms against 256's 13.4 for a 4096-token prompt's attention)
 LONG_LIST = 1024           # DSA selection lists this long or longer score on a wider CUDA tile
                            # (backend/cuda/mla.py, same bits): walks from the position where
                            # every list is this long are captured apart from the shorter ones

@@ -42,7 +42,7 @@ from memra.backend.numpy_kda import kda_mark_count, kda_record_width
 from memra.backend.pieces import head_group
 from memra.checkpoint_fp8 import SCALE_SUFFIX
 from memra.errors import CheckpointError, InputError
-from memra.limits import ATTEND_BYTES, ATTEND_ROWS, MOE_ROWS, PRIME_CHUNK, VERIFY_CAP
+from memra.limits import ATTEND_BYTES, ATTEND_ROWS, HEAD_ROWS, MOE_ROWS, PRIME_CHUNK, VERIFY_CAP
 from memra.schedules import DSA, KDA
 
 F32 = 4
@@ -273,14 +273,13 @@ def _attention_bytes(cfg, rows: int, max_ctx: int) -> int:
     (where it runs: pieces.head_group), the outputs (heads x dv floats a row), the latent's pieces,
     one pass of heads' expanded keys and values and that pass's chunk of scores."""
     heads, rank, dn, dv = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
-    chunk = min(rows, ATTEND_ROWS)
-    scores = lambda h: min(ATTEND_BYTES, chunk * h * max_ctx * (F32 + 6))
-    absorbed = 2 * rows * heads * rank * F32 + 24 * rank * max_ctx + scores(heads)
+    scores = lambda h, chunk: min(ATTEND_BYTES, min(rows, chunk) * h * max_ctx * (F32 + 6))
+    absorbed = 2 * rows * heads * rank * F32 + 24 * rank * max_ctx + scores(heads, ATTEND_ROWS)
     group = head_group(max_ctx, heads, dn, dv, ATTEND_BYTES) if dn + dv < 2 * rank else 0
     if not group:
         return absorbed
     expanded = group * max_ctx * (12 * dn + 6 * dv + F32 * max(dn, dv))
-    return max(absorbed, rows * heads * dv * F32 + 6 * rank * max_ctx + expanded + scores(group))
+    return max(absorbed, rows * heads * dv * F32 + 6 * rank * max_ctx + expanded + scores(group, HEAD_ROWS))
 
 
 def cache_bytes(cfg) -> tuple[int, int]:

@@ -164,39 +164,107 @@ extern "C" __global__ void selection_mask(const int* positions, unsigned char* k
     }
 }
 
+// V values of p (V = 4: one 16-byte access, p 16-byte aligned).
+template <int V>
+static __device__ __forceinline__ void load_values(const float* p, float (&v)[V]) {
+    if constexpr (V == 4) {
+        const float4 a = *reinterpret_cast<const float4*>(p);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    } else {
+        v[0] = p[0];
+    }
+}
+
+template <int V>
+static __device__ __forceinline__ void store_values(float* p, const float (&v)[V]) {
+    if constexpr (V == 4)
+        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    else
+        p[0] = v[0];
+}
+
+// put_piece_copies of V adjacent values (V = 4: 8-byte stores, p 8-byte aligned).
+template <int V>
+static __device__ __forceinline__ void put_piece_copies_v(const float (&a)[V], unsigned short* p, int copies,
+                                                          int map, long long stride) {
+    if constexpr (V == 4) {
+        unsigned short x[3], y[3], z[3], w[3];
+        split_pieces(a[0], x), split_pieces(a[1], y), split_pieces(a[2], z), split_pieces(a[3], w);
+        for (int s = 0; s < copies; ++s) {
+            const int k = (map >> (2 * s)) & 3;  // selects, not an indexed local array (no stack)
+            const ushort4 v = k == 0 ? make_ushort4(x[0], y[0], z[0], w[0])
+                                     : (k == 1 ? make_ushort4(x[1], y[1], z[1], w[1]) : make_ushort4(x[2], y[2], z[2], w[2]));
+            *reinterpret_cast<ushort4*>(p + s * stride) = v;
+        }
+    } else {
+        put_piece_copies(a[0], p, copies, map, stride);
+    }
+}
+
+// One (row, head) of masked_softmax_pieces, V adjacent columns a thread at a time.
+template <int V>
+static __device__ __forceinline__ void softmax_row_pieces(float* row, const unsigned char* kp, unsigned short* out,
+                                                          int ctx, float scale, int map, float* cache, float* shm) {
+    float* e = cache != nullptr ? cache : row;
+    // scale * s where listed, -inf (weight 0) elsewhere
+    auto scaled = [&](int j, float (&a)[V]) {
+        load_values<V>(row + j, a);
+#pragma unroll
+        for (int i = 0; i < V; ++i) a[i] = kp[j + i] ? a[i] * scale : neg_inf();
+    };
+    float mx = neg_inf();
+    for (int j = V * threadIdx.x; j < ctx; j += V * MEMRA_BLOCK) {
+        float a[V];
+        scaled(j, a);
+        if (cache != nullptr) store_values<V>(cache + j, a);
+#pragma unroll
+        for (int i = 0; i < V; ++i) mx = fmaxf(mx, a[i]);
+    }
+    mx = block_max(mx, shm);
+    float sum = 0.0f;
+    for (int j = V * threadIdx.x; j < ctx; j += V * MEMRA_BLOCK) {
+        float a[V];
+        if (cache != nullptr)
+            load_values<V>(cache + j, a);
+        else
+            scaled(j, a);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            a[i] = a[i] == neg_inf() ? 0.0f : expf(a[i] - mx);
+            sum += a[i];
+        }
+        store_values<V>(e + j, a);
+    }
+    sum = block_sum(sum, shm);
+    // a row that lists no position (never one of a prompt: it sees itself) attends nothing
+    for (int j = V * threadIdx.x; j < ctx; j += V * MEMRA_BLOCK) {
+        float a[V];
+        load_values<V>(e + j, a);
+#pragma unroll
+        for (int i = 0; i < V; ++i) a[i] = sum > 0.0f ? a[i] / sum : 0.0f;
+        put_piece_copies_v<V>(a, out + j, 3, map, ctx);
+    }
+}
+
 // grid (rows * H), block MEMRA_BLOCK: one (row, head) of scores [rows, H, ctx]; out [rows * H,
 // 3, ctx] gets the probabilities' pieces in `map`'s order. cached: the row's scaled scores, then
 // its exponentials, live in 4 * ctx bytes of dynamic shared memory, so the scores are read from
 // global memory once; else the exponentials are kept in place and the row is read three times.
-// The same bits either way.
+// The same bits either way. width: columns a thread takes at a time, 4 where ctx is a multiple of
+// 4 (every row then starts 16-byte aligned), else 1.
 extern "C" __global__ void masked_softmax_pieces(float* s, const unsigned char* keep, unsigned short* out,
-                                                 int H, int ctx, float scale, int map, int cached) {
+                                                 int H, int ctx, float scale, int map, int cached, int width) {
     after_predecessor();
-    extern __shared__ float cache[];
+    extern __shared__ float4 cache4[];  // float4: 16-byte aligned
     __shared__ float shm[MEMRA_BLOCK];
     const unsigned char* kp = keep + (long long)(blockIdx.x / H) * ctx;
     float* row = s + (long long)blockIdx.x * ctx;
-    float* e = cached ? cache : row;
-    // scale * s where listed, -inf (weight 0) elsewhere
-    auto scaled = [&](int j) { return kp[j] ? row[j] * scale : neg_inf(); };
-    float mx = neg_inf();
-    for (int j = threadIdx.x; j < ctx; j += MEMRA_BLOCK) {
-        const float a = scaled(j);
-        if (cached) cache[j] = a;
-        mx = fmaxf(mx, a);
-    }
-    mx = block_max(mx, shm);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < ctx; j += MEMRA_BLOCK) {
-        const float a = cached ? cache[j] : scaled(j);
-        const float x = a == neg_inf() ? 0.0f : expf(a - mx);
-        e[j] = x;
-        sum += x;
-    }
-    sum = block_sum(sum, shm);
-    // a row that lists no position (never one of a prompt: it sees itself) attends nothing
-    for (int j = threadIdx.x; j < ctx; j += MEMRA_BLOCK)
-        put_piece_copies(sum > 0.0f ? e[j] / sum : 0.0f, out + (long long)blockIdx.x * 3 * ctx + j, 3, map, ctx);
+    float* cache = cached ? reinterpret_cast<float*>(cache4) : nullptr;
+    unsigned short* o = out + (long long)blockIdx.x * 3 * ctx;
+    if (width == 4)
+        softmax_row_pieces<4>(row, kp, o, ctx, scale, map, cache, shm);
+    else
+        softmax_row_pieces<1>(row, kp, o, ctx, scale, map, cache, shm);
 }
 
 // An e4m3fn byte as float32, exactly: 1 sign, 4 exponent (bias 7), 3 mantissa bits; exponent 0

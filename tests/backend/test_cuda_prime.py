@@ -176,6 +176,31 @@ def test_prime_softmax_gives_the_same_bits_from_shared_memory_or_in_place(bench_
     assert np.array_equal(_attend(q, latent, positions), cached)
 
 
+@pytest.mark.parametrize("ctx", [13, 16, 1000], ids=["one_a_thread", "four_a_thread", "four_a_thread_long"])
+@pytest.mark.parametrize("cached", [True, False])
+def test_prompt_softmax_pieces_are_the_masked_softmax(monkeypatch, ctx, cached):
+    """_softmax_pieces of scores [3, 2, ctx] under a keep mask (row 2 keeps nothing): the pieces,
+    in the order asked, add back to float64's masked softmax at float32 accuracy, one column
+    a thread where ctx is not a multiple of 4, four where it is, with scores in shared memory or
+    in place; unkept columns and a row keeping nothing weigh exactly 0."""
+    rng = np.random.default_rng(13)
+    scores = rng.standard_normal((3, 2, ctx)).astype(np.float32) * np.float32(4)
+    keep = (rng.random((3, ctx)) < 0.7).astype(np.uint8)
+    keep[2] = 0
+    z = np.where(keep[:, None, :] > 0, scores.astype(np.float64) * 0.5, -np.inf)
+    e = np.exp(z - np.max(np.where(keep[:, None, :] > 0, z, -1e300), axis=2, keepdims=True))
+    total = e.sum(axis=2, keepdims=True)
+    want = np.where(total > 0, e / np.where(total > 0, total, 1), 0).reshape(6, ctx)
+    if not cached:
+        monkeypatch.setattr(prime, "SHARED_BYTES", 0)
+    order = (2, 0, 1)
+    probs = prime._softmax_pieces(cp.asarray(scores), cp.asarray(keep), 2, ctx, 0.5, order)
+    parts = (cp.asnumpy(probs).astype(np.uint32) << 16).view(np.float32).reshape(6, 3, ctx)
+    got = (parts[:, order.index(2)] + parts[:, order.index(1)]) + parts[:, order.index(0)]
+    assert not got[4:].any() and not got[:4][np.repeat(keep[:2], 2, axis=0) == 0].any()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-12)  # float32 expf and sums of <= 1000 terms
+
+
 @pytest.mark.parametrize("product", [(2, 0), (1, 1), (0, 2)], ids=["lo_hi", "mid_mid", "hi_lo"])
 def test_red_arm_a_dropped_attention_product_breaks_the_bound(bench_attention, monkeypatch, product):
     q, latent, positions, want, bound = bench_attention
@@ -204,11 +229,12 @@ def bench_heads(bench_attention):
 
 
 def _attention(args, monkeypatch, rows: int, attend_bytes: int):
-    """MlaOps.mla_attention of a prompt with ATTEND_ROWS and ATTEND_BYTES set, and the head
-    passes it ran (prime_attend_heads's head_group; 0: the absorbed form)."""
+    """MlaOps.mla_attention of a prompt with `rows` a chunk (either form) and ATTEND_BYTES set,
+    and the head passes it ran (prime_attend_heads's head_group; 0: the absorbed form)."""
     from memra.backend.cuda.mla import MlaOps
 
     monkeypatch.setattr(prime, "ATTEND_ROWS", rows)
+    monkeypatch.setattr(prime, "HEAD_ROWS", rows)
     monkeypatch.setattr(prime, "ATTEND_BYTES", attend_bytes)
     groups, group = [], prime.head_group
     monkeypatch.setattr(prime, "head_group", lambda *a: groups.append(group(*a)) or groups[-1])

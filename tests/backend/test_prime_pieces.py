@@ -110,3 +110,14 @@ def test_red_arm_the_per_head_form_less_a_2_to_the_minus_16_product_breaks_the_b
     q, latent, positions, want = case
     kept = tuple(pair for pair in pieces.HEAD_PRODUCTS if pair != product)
     assert _rel_error(_attend(q, latent, positions, *_head_gemms(kept)), want) > ATTEND_REL
+
+
+@pytest.mark.parametrize("span, group", [(4096, 64), (8192, 32), (100_000, 3), (400_000, 0)])
+def test_the_per_head_form_takes_equal_passes_of_heads_within_the_budget(span, group):
+    """bench's widths (64 heads, dn = dv = 256): keys' six copies, values' three pieces and a float32
+    plane, 5632 bytes a head a position, within 2 GiB; passes of equal size; none past one head."""
+    budget = 2 << 30
+    assert pieces.head_group(span, 64, 256, 256, budget) == group
+    if group:
+        most = budget // (span * 5632)  # heads that fit: the fewest passes, each no larger than needed
+        assert group <= most and -(-64 // group) == -(-64 // most) and group * (-(-64 // group) - 1) < 64

@@ -42,7 +42,7 @@ from memra.backend.cuda.runtime import (BLOCK, MAX_GRID, SHARED_BYTES, blocks_of
                                        host_copy_later, i32, launch)
 from memra.backend.pieces import HEAD_PRODUCTS, LEFT_ORDER, PIECES, RIGHT_COPIES, SEGMENTS, head_group, piece_map
 from memra.kernels_cu.constants import FP8_PIECES_WIDTH, PIECES_VECTOR
-from memra.limits import ATTEND_BYTES, ATTEND_ROWS, MOE_ROWS, VERIFY_CAP
+from memra.limits import ATTEND_BYTES, ATTEND_ROWS, HEAD_ROWS, MOE_ROWS, VERIFY_CAP
 
 R_16BF, R_32F = 14, 0                    # cudaDataType
 COMPUTE_32F, GEMM_DEFAULT = 68, -1       # cublasComputeType_t, cublasGemmAlgo_t
@@ -377,7 +377,8 @@ def _softmax_pieces(scores, keep, heads: int, ctx: int, scale: float, order):
     probs = cp.empty((rows, PIECES * ctx), cp.uint16)
     cached = 4 * ctx <= SHARED_BYTES  # a row's scores in shared memory: read from global memory once
     launch("prime", "masked_softmax_pieces", (rows,), (BLOCK,),
-           (scores, keep, probs, i32(heads), i32(ctx), f32(scale), i32(piece_map(order)), i32(cached)),
+           (scores, keep, probs, i32(heads), i32(ctx), f32(scale), i32(piece_map(order)), i32(cached),
+            i32(4 if ctx % 4 == 0 else 1)),
            4 * ctx if cached else 0)
     return probs
 
@@ -442,10 +443,10 @@ def _expand(lp, latent, w, keys: bool):
 def prime_attend_heads(q, latent, positions, w_uk_t, w_uv, scale: float):
     """o [t, H, dv]: MLA attention of per-head queries q [t, H, dn] in the per-head form (keys
     latent @ W_UK^T[h], values latent @ W_UV[h].T, each float32 once): at bench's widths half the
-    absorbed form's piece products (dn + dv = 512 against 2 R = 1024 per score and mix). Heads go in
-    passes of head_group, rows in chunks as prime_attend's; the scores are one GEMM of the six
-    products, the mixes six (backend/pieces.py). None where one head's operands over the span
-    would pass ATTEND_BYTES."""
+    absorbed form's piece products (dn + dv = 512 against 2 R = 1024 per score and mix). Heads go
+    in passes of head_group, rows in chunks of HEAD_ROWS (and ATTEND_BYTES of scores); the scores
+    are one GEMM of the six products, the mixes six (backend/pieces.py). None where one head's
+    operands over the span would pass ATTEND_BYTES."""
     t, h, dn = q.shape
     dv, products = w_uv.shape[1], len(HEAD_PRODUCTS)
     ends, span = _spans(positions, latent.shape[0])
@@ -463,7 +464,7 @@ def prime_attend_heads(q, latent, positions, w_uk_t, w_uv, scale: float):
         values = cp.empty((PIECES, span, g, dv), cp.uint16)  # the pieces apart: [piece] [position] [head]
         put_piece_copies(_expand(lp, latent[:span], w_uv[h0:h0 + g], False).reshape(span * g, dv), values,
                          (0, 1, 2), dv, span * g * dv)
-        chunk = max(1, min(ATTEND_ROWS, ATTEND_BYTES // ((4 + 2 * PIECES) * g * span)))
+        chunk = max(1, min(HEAD_ROWS, ATTEND_BYTES // ((4 + 2 * PIECES) * g * span)))
         for r0 in range(0, t, chunk):
             pos = positions[r0:r0 + chunk]
             n = pos.shape[0]

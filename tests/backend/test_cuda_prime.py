@@ -351,6 +351,19 @@ def test_a_prompts_shared_expert_runs_before_the_count_read_and_matches_numpy(mo
                            broken_want, rtol=1e-4, atol=1e-5)
 
 
+def test_fp8_gemm_experts_start_their_down_rows_from_zero_on_dirty_memory(monkeypatch):
+    """An FP8 expert's down products accumulate into its output rows, which each GEMM pass zeroes
+    (only its own: the tiled slots' rows are never written): allocations carved from memory that
+    held NaN still give numpy's sum."""
+    args, want = _skewed_experts("fp8", shared=True)
+    monkeypatch.setitem(prime.TILE_ROWS, "fp8", 12)
+    cp.get_default_memory_pool().free_all_blocks()
+    dirty = cp.full(1 << 22, cp.nan, cp.float32)
+    del dirty  # back to the pool, NaN inside
+    np.testing.assert_allclose(cp.asnumpy(prime.prime_experts(*args, expert_tiles, shared=True)), want,
+                               rtol=1e-4, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def small_bf16(fixture_dir):
     return load_model(fixture_dir("small", seed=13, dtype="bfloat16"), backend="cuda")

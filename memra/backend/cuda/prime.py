@@ -244,7 +244,7 @@ def _experts(x, idx, wts, stacks, limit: float, tiles, shared: bool, out) -> Non
     sorted_row = cp.empty_like(order)
     sorted_row[order] = cp.arange(base, base + order.size, dtype=order.dtype)
     at[:, :routed] = sorted_row.reshape(t, routed)
-    down = _expert_rows((t * k, PIECES, d), stacks[2])  # every slot's output rows at most
+    down = cp.empty((t * k, PIECES, d), cp.float32)  # every slot's output rows at most
     handle = _handle()
     if ahead:
         at[:, routed] = cp.arange(t, dtype=order.dtype)
@@ -273,6 +273,8 @@ def _gemm_experts(handle: int, xp, plan, stacks, limit: float, down, base: int =
         _expert_gemm(handle, src, d, m, gate_w, ex, gate.data.ptr + 4 * PIECES * start * inter)
         _expert_gemm(handle, src, d, m, up_w, ex, up.data.ptr + 4 * PIECES * start * inter)
     hidden = cp.empty((slots, PIECES, inter), cp.uint16)
+    if isinstance(down_w, DeviceFp8):  # its products accumulate: zero the rows they go to, no others
+        down[base:base + slots] = 0
     width = _width(inter, PIECES_VECTOR, gate, up, hidden)
     launch("prime", "swiglu_pieces", columns_grid(slots, inter // width), (BLOCK,),
            (gate, up, hidden, np.int64(slots), i32(inter), f32(limit), i32(width)))

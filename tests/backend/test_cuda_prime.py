@@ -221,9 +221,10 @@ def bench_heads(bench_attention):
     uk, uv = (bf16_to_f32(w).astype(np.float64) for w in (w_uk_t, w_uv))
     q_lat = np.einsum("thd,hrd->thr", q.astype(np.float64), uk)
     want = np.einsum("thr,hvr->thv", attend_reference(q_lat, latent, positions, SCALE), uv)
-    q_lat32 = cp.matmul(cp.asarray(q).transpose(1, 0, 2), cp.asarray(bf16_to_f32(w_uk_t)).transpose(0, 2, 1)).transpose(1, 0, 2)
-    o_lat32 = _sgemm_attend(cp.asnumpy(q_lat32), latent, positions, SCALE)
-    sgemm = cp.matmul(o_lat32.transpose(1, 0, 2), cp.asarray(bf16_to_f32(w_uv)).transpose(0, 2, 1)).transpose(1, 0, 2)
+    def per_head(x, w):  # x [t, H, in] @ w[h].T, float32 GEMMs
+        return cp.matmul(x.transpose(1, 0, 2), cp.asarray(bf16_to_f32(w)).transpose(0, 2, 1)).transpose(1, 0, 2)
+    o_lat32 = _sgemm_attend(cp.asnumpy(per_head(cp.asarray(q), w_uk_t)), latent, positions, SCALE)
+    sgemm = per_head(o_lat32, w_uv)
     args = tuple(cp.asarray(a) for a in (q, latent, positions, w_uk_t, w_uv))
     return args, want, ATTEND_VS_SGEMM * _rel_error(sgemm, want)
 

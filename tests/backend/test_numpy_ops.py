@@ -213,7 +213,8 @@ ROW_CASES = [
     _case("mla_attend", _make_mla_attend,
           lambda be, r, s, _: be.mla_attend(r["q_lat"], s["latent"], r["positions"], 32 ** -0.5)),
     _case("mla_attention", _make_mla_attention,
-          lambda be, r, s, _: be.mla_attention(r["q"], s["latent"], r["positions"], s["w_uk_t"], s["w_uv"], 8 ** -0.5)),
+          lambda be, r, s, _: be.mla_attention(r["q"], s["latent"], r["positions"], s["w_uk_t"], s["w_uv"],
+                                               8 ** -0.5)),
     _case("kpool_select", _make_kpool_select,
           lambda be, r, s, r0: be.kpool_select(r["q"], r["w"], s["pool_keys"], KPOOL_POS0 + r0, 4, 2, 11, 16 ** -0.5)),
 ]

@@ -123,7 +123,8 @@ class MlaOps:
         check(q, cp.float32, "q")
         t, h, dn = q.shape
         rank, dv = w_uk_t.shape[1], w_uv.shape[1]
-        assert w_uk_t.shape == (h, rank, dn) and w_uv.shape == (h, dv, rank), f"w_uk_t {w_uk_t.shape}, w_uv {w_uv.shape}"
+        assert w_uk_t.shape == (h, rank, dn) and w_uv.shape == (h, dv, rank), \
+            f"w_uk_t {w_uk_t.shape}, w_uv {w_uv.shape} for q {q.shape}"
         if is_prime(t) and dn + dv < 2 * rank and h * positions.shape[1]:
             check(latent, cp.float32, "latent")
             check(positions, cp.int32, "positions")

@@ -11,7 +11,8 @@ weight once per 16 rows and run at under 2% of the tensor cores' rate on a long 
   product is a float32-exact one, as in the exact tiles; only the summation order differs;
 * the attention's scores and mixes, float32 operands on both sides, run as bf16 GEMMs of the
   six piece products of size at least 2^-16 (backend/pieces.py): float32-accurate, on tensor
-  cores;
+  cores; an MLA layer attends per head, to keys and values expanded from its latent once
+  (prime_attend_heads: fewer products than the absorbed form, prime_attend, where dn + dv < 2 R);
 * an FP8 weight is dequantized (e4m3 times its block scale, one float32 rounding) into the bf16
   pieces of its float32 values, and meets the activation's pieces in the six products of size
   at least 2^-16 (a routed expert's piece rows too: each weight piece meets the row sets of

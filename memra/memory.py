@@ -39,7 +39,7 @@ import os
 import re
 
 from memra.backend.numpy_kda import kda_mark_count, kda_record_width
-from memra.backend.pieces import head_group
+from memra.backend.pieces import head_bytes, head_group
 from memra.checkpoint_fp8 import SCALE_SUFFIX
 from memra.errors import CheckpointError, InputError
 from memra.limits import ATTEND_BYTES, ATTEND_ROWS, HEAD_ROWS, MOE_ROWS, PRIME_CHUNK, VERIFY_CAP
@@ -252,7 +252,7 @@ def prime_buffer_bytes(cfg, layers, max_ctx: int) -> int:
     `bench` prime allocates with every expert on GEMMs (702, 2809, 5618, 6484 MiB at 512, 2048,
     4096, 8192 tokens); experts of few slots on the exact tiles only lower it."""
     rows = min(PRIME_CHUNK, max(max_ctx, 1))
-    d, i, ranks = cfg.hidden_size, cfg.moe_intermediate_size, cfg.kv_lora_rank
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
     phases = [0]
     if any(cfg.mlp_layer_types[j] == "sparse" for j in layers):
         slots = min(rows, MOE_ROWS) * (cfg.num_experts_per_tok + cfg.n_shared_experts)
@@ -278,7 +278,7 @@ def _attention_bytes(cfg, rows: int, max_ctx: int) -> int:
     group = head_group(max_ctx, heads, dn, dv, ATTEND_BYTES) if dn + dv < 2 * rank else 0
     if not group:
         return absorbed
-    expanded = group * max_ctx * (12 * dn + 6 * dv + F32 * max(dn, dv))
+    expanded = group * max_ctx * head_bytes(dn, dv)
     return max(absorbed, rows * heads * dv * F32 + 6 * rank * max_ctx + expanded + scores(group, HEAD_ROWS))
 
 

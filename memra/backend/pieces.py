@@ -1,5 +1,5 @@
 """The bf16 pieces of float32 values and the six-product scheme of the prime class's float32 GEMMs
-(no cupy: the CPU tests pin the scheme the CUDA backend runs, backend/cuda/prime.py).
+(no cupy: the CPU tests pin the scheme the CUDA backend runs, backend/cuda/prime_attention.py).
 
 A float32 x splits exactly into three bf16 pieces, x = hi + mid + lo, each the truncation of
 what the ones before left (kernels_cu/prime.cu's split_pieces), so |mid| <= 2^-8 |x| and
@@ -39,12 +39,17 @@ def piece_map(order) -> int:
     return sum(piece << (2 * s) for s, piece in enumerate(order))
 
 
+def head_bytes(dn: int, dv: int) -> int:
+    """Bytes a head of the per-head attention holds per position: its keys' six bf16 copies, its
+    values' three pieces and one float32 plane (the expanded keys or values before their pieces)."""
+    return 2 * len(HEAD_PRODUCTS) * dn + 2 * PIECES * dv + 4 * max(dn, dv)
+
+
 def head_group(span: int, heads: int, dn: int, dv: int, budget: int) -> int:
-    """Heads per pass of the per-head attention (backend/cuda/prime.py): as many as keep their
-    keys' six copies, their values' three pieces and one float32 plane over `span` positions
-    within `budget` bytes, in passes of equal size; 0 where one head does not fit (the absorbed
-    form runs then)."""
-    most = budget // (max(span, 1) * (2 * len(HEAD_PRODUCTS) * dn + 2 * PIECES * dv + 4 * max(dn, dv)))
+    """Heads per pass of the per-head attention (backend/cuda/prime_attention.py): as many as
+    hold head_bytes over `span` positions within `budget` bytes, in passes of equal size; 0 where
+    one head does not fit (the absorbed form runs then)."""
+    most = budget // (max(span, 1) * head_bytes(dn, dv))
     return -(-heads // -(-heads // most)) if most else 0
 
 

@@ -285,7 +285,7 @@ def test_a_prompts_fp8_expert_products_are_float32_accurate(monkeypatch):
 
     def error():
         rows = cp.zeros((40, 3, 300), cp.float32)
-        prime._expert_gemm(prime._handle(), xp.data.ptr, 1290, 40, stack, 0, rows.data.ptr)
+        prime._expert_gemm(prime.cublas_handle(), xp.data.ptr, 1290, 40, stack, 0, rows.data.ptr)
         return _rel_error((rows[:, 2] + rows[:, 1]) + rows[:, 0], want)
 
     assert error() <= PRIME_REL

@@ -14,7 +14,8 @@ from __future__ import annotations
 import cupy as cp
 
 from memra.backend.cuda.dense import head_linear
-from memra.backend.cuda.prime import is_prime, prime_attend, prime_attend_heads, prime_pool_scores
+from memra.backend.cuda.prime import is_prime, prime_pool_scores
+from memra.backend.cuda.prime_attention import prime_attend, prime_attend_heads
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, f32, i32, kernel, launch, opt_in, position
 from memra.kernels_cu.constants import KPOOL_POOLS, MIX_CHANNELS, MIX_SPLIT, MIX_STEP
 from memra.limits import LONG_LIST

@@ -13,9 +13,10 @@ from __future__ import annotations
 import cupy as cp
 
 from memra.backend.cuda.runtime import BLOCK, check, i32, kernel, launch, opt_in
+from memra.backend.cuda.streams import fork, join
 from memra.kernels_cu.constants import KDA_CHUNK, KDA_CHUNK_MAX_DK
 
-SCRATCH_BYTES = 1 << 28  # the pieces one span of chunks may hold (a 4096-row bench prompt: 3 spans)
+SCRATCH_BYTES = 1 << 28  # the pieces of the two spans of chunks in flight (a 4096-row bench prompt: 5 spans)
 TILE = 32                # value columns per scan block (kda_chunks.cu)
 # the scan's two stages of one chunk's pieces (kda_chunks.cu STAGE_FLOATS): W, Qtil, Khat rows,
 # U0 columns, Qm, decay; over the 48 KB default, so the kernel is given the room explicitly
@@ -37,7 +38,12 @@ def kda_shapes(what: str, q, k, v, g, beta, state) -> tuple[int, int, int, int]:
 
 def prime_kda(q, k, v, g, beta, state):
     """kda_recurrence over t rows in chunks: q, k, g [t, Hk, dk], v [t, Hk, dv], beta [t, Hk],
-    C-contiguous float32; returns o [t, Hk, dv]. dk <= KDA_CHUNK_MAX_DK."""
+    C-contiguous float32; returns o [t, Hk, dv]. dk <= KDA_CHUNK_MAX_DK.
+
+    Spans of chunks go through two scratch sets: while the "chunks" side stream (high
+    priority: its blocks are placed first) scans span i, the main stream preps span i + 1 into
+    the other set, once span i - 1's scan is done reading it. The prep does not read the state,
+    and the scan, a block per 32 value columns of a head, leaves most of each SM to it."""
     t, hk, dk, dv = kda_shapes("prime_kda", q, k, v, g, beta, state)
     assert dk <= KDA_CHUNK_MAX_DK, f"prime_kda: dk={dk}, at most {KDA_CHUNK_MAX_DK} (raise KDA_CHUNK_MAX_DK)"
     out = cp.empty((t, hk, dv), cp.float32)
@@ -45,17 +51,47 @@ def prime_kda(q, k, v, g, beta, state):
     if not chunks:
         return out
     per_chunk = 4 * hk * KDA_CHUNK * (3 * dk + dv + KDA_CHUNK + 1)  # bytes: w, qtil, khat; u0; qm; decay
-    span = max(1, min(chunks, SCRATCH_BYTES // per_chunk))
-    w, qtil, khat = (cp.empty((span, hk, KDA_CHUNK, dk), cp.float32) for _ in range(3))
-    u0 = cp.empty((span, hk, KDA_CHUNK, dv), cp.float32)
-    qm = cp.empty((span, hk, KDA_CHUNK, KDA_CHUNK), cp.float32)
-    decay = cp.empty((span, hk, dk), cp.float32)
+    span = max(1, min(chunks, SCRATCH_BYTES // (2 * per_chunk)))
+    starts = range(0, chunks, span)
+    sets = [_scratch(min(span, chunks), hk, dk, dv) for _ in starts[:2]]
     opt_in(kernel("kda_chunks", "kda_chunk_scan"), SCAN_SHARED)
-    for c0 in range(0, chunks, span):
-        nc, row0 = min(span, chunks - c0), c0 * KDA_CHUNK
-        launch("kda_chunks", "kda_chunk_prep", (nc, hk), (BLOCK,),
-               (q, k, v, g, beta, w, u0, qm, qtil, khat, decay, i32(row0), i32(t), i32(hk), i32(dk), i32(dv)))
-        launch("kda_chunks", "kda_chunk_scan", (-(-dv // TILE), hk), (KDA_CHUNK_MAX_DK,),
-               (w, u0, qm, qtil, khat, decay, state, out, i32(row0), i32(nc), i32(t), i32(hk), i32(dk), i32(dv)),
-               SCAN_SHARED)
+    main, side = fork("chunks")
+    scanned = []
+    try:  # joined however the loop ends: the main stream never runs on past the side's scans
+        for i, c0 in enumerate(starts):
+            if i >= 2:  # span i's prep goes into the set span i - 2's scan reads
+                main.wait_event(scanned[i - 2])
+            _prep(q, k, v, g, beta, sets[i % 2], c0, min(span, chunks - c0), t, hk, dk, dv)
+            prepped = _recorded(main)
+            with side:
+                side.wait_event(prepped)
+                _scan(sets[i % 2], state, out, c0, min(span, chunks - c0), t, hk, dk, dv)
+                scanned.append(_recorded(side))
+    finally:
+        join(main, side)
     return out
+
+
+def _scratch(span: int, hk: int, dk: int, dv: int) -> tuple:
+    """One span's pieces: w, qtil, khat [span, Hk, C, dk]; u0 [span, Hk, C, dv]; qm [span, Hk, C,
+    C]; decay [span, Hk, dk]."""
+    w, qtil, khat = (cp.empty((span, hk, KDA_CHUNK, dk), cp.float32) for _ in range(3))
+    return (w, cp.empty((span, hk, KDA_CHUNK, dv), cp.float32), cp.empty((span, hk, KDA_CHUNK, KDA_CHUNK), cp.float32),
+            qtil, khat, cp.empty((span, hk, dk), cp.float32))
+
+
+def _prep(q, k, v, g, beta, pieces, c0: int, nc: int, t: int, hk: int, dk: int, dv: int) -> None:
+    launch("kda_chunks", "kda_chunk_prep", (nc, hk), (BLOCK,),
+           (q, k, v, g, beta, *pieces, i32(c0 * KDA_CHUNK), i32(t), i32(hk), i32(dk), i32(dv)))
+
+
+def _scan(pieces, state, out, c0: int, nc: int, t: int, hk: int, dk: int, dv: int) -> None:
+    launch("kda_chunks", "kda_chunk_scan", (-(-dv // TILE), hk), (KDA_CHUNK_MAX_DK,),
+           (*pieces, state, out, i32(c0 * KDA_CHUNK), i32(nc), i32(t), i32(hk), i32(dk), i32(dv)), SCAN_SHARED)
+
+
+def _recorded(stream) -> "cp.cuda.Event":
+    """An event recorded on stream now: what was launched on it so far."""
+    done = cp.cuda.Event(disable_timing=True)
+    done.record(stream)
+    return done

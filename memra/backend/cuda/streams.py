@@ -13,7 +13,10 @@ import functools
 
 import cupy as cp
 
-LANES = ("mix", "beside")  # hc_site's Sinkhorn mixes; Beside. Each its own stream: neither waits on the other
+# hc_site's Sinkhorn mixes; Beside; a prompt's KDA chunk scan (kda_chunks.py). Each its own
+# stream: none waits on another
+LANES = ("mix", "beside", "chunks")
+URGENT = ("chunks",)  # lanes of the device's highest stream priority: their blocks are placed first
 
 
 @functools.cache
@@ -21,7 +24,8 @@ def side_stream(device: int, lane: str) -> "cp.cuda.Stream":
     """The side stream of `lane` on a device."""
     assert lane in LANES, f"side stream lane {lane!r}, one of {LANES}"
     with cp.cuda.Device(device):
-        return cp.cuda.Stream(non_blocking=True)
+        # CUDA clamps a priority to the device's range: this is its greatest
+        return cp.cuda.Stream(non_blocking=True, priority=-(1 << 20) if lane in URGENT else None)
 
 
 def on_side() -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import cupy as cp
 
 from memra.backend.cuda.runtime import BLOCK, check, i32, kernel, launch, opt_in
-from memra.backend.cuda.streams import fork, join
+from memra.backend.cuda.streams import fork, join, recorded
 from memra.kernels_cu.constants import KDA_CHUNK, KDA_CHUNK_MAX_DK
 
 SCRATCH_BYTES = 1 << 28  # the pieces of the two spans of chunks in flight (a 4096-row bench prompt: 5 spans)
@@ -62,11 +62,11 @@ def prime_kda(q, k, v, g, beta, state):
             if i >= 2:  # span i's prep goes into the set span i - 2's scan reads
                 main.wait_event(scanned[i - 2])
             _prep(q, k, v, g, beta, sets[i % 2], c0, min(span, chunks - c0), t, hk, dk, dv)
-            prepped = _recorded(main)
+            prepped = recorded(main)
             with side:
                 side.wait_event(prepped)
                 _scan(sets[i % 2], state, out, c0, min(span, chunks - c0), t, hk, dk, dv)
-                scanned.append(_recorded(side))
+                scanned.append(recorded(side))
     finally:
         join(main, side)
     return out
@@ -89,9 +89,3 @@ def _scan(pieces, state, out, c0: int, nc: int, t: int, hk: int, dk: int, dv: in
     launch("kda_chunks", "kda_chunk_scan", (-(-dv // TILE), hk), (KDA_CHUNK_MAX_DK,),
            (*pieces, state, out, i32(c0 * KDA_CHUNK), i32(nc), i32(t), i32(hk), i32(dk), i32(dv)), SCAN_SHARED)
 
-
-def _recorded(stream) -> "cp.cuda.Event":
-    """An event recorded on stream now: what was launched on it so far."""
-    done = cp.cuda.Event(disable_timing=True)
-    done.record(stream)
-    return done

@@ -37,17 +37,20 @@ def on_side() -> bool:
 def fork(lane: str) -> tuple["cp.cuda.Stream", "cp.cuda.Stream"]:
     """(main, side): the side stream of `lane` waits for everything launched on main so far."""
     main, side = cp.cuda.get_current_stream(), side_stream(cp.cuda.Device().id, lane)
-    forked = cp.cuda.Event(disable_timing=True)
-    forked.record(main)
-    side.wait_event(forked)
+    side.wait_event(recorded(main))
     return main, side
 
 
 def join(main: "cp.cuda.Stream", side: "cp.cuda.Stream") -> None:
     """main waits for everything launched on side so far."""
+    main.wait_event(recorded(side))
+
+
+def recorded(stream: "cp.cuda.Stream") -> "cp.cuda.Event":
+    """An event marking everything launched on stream so far."""
     done = cp.cuda.Event(disable_timing=True)
-    done.record(side)
-    main.wait_event(done)
+    done.record(stream)
+    return done
 
 
 class Beside:

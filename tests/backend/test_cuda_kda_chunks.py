@@ -4,7 +4,8 @@ kda_chunks.cu), GPU host only. Prime class: accurate, not row invariant (DESIGN.
 Gates, max |got - want| / rms(want) <= CHUNK_REL (tests/backend/test_kda_chunks.py) for the
 outputs and the final state: the CUDA scan against the numpy row walk at t = 16, 37, 300, 1000
 on bench-like heads (dk = dv = 128) and small odd shapes, gates with and without the lower
-bound; against the numpy twin (kda_chunks) likewise; spans of a few chunks carry the state;
+bound; against the numpy twin (kda_chunks) likewise; spans of a few chunks carry the state
+(the scans on a lane of the device's highest priority);
 KdaOps.kda_recurrence takes it for a prompt and keeps the row walk for t <= VERIFY_CAP. Red arms
 on the device pieces (in-chunk rows dropped from Qm, the chunk decay ignored) break the bound.
 Run: PYTHONPATH=$PWD python3 -m pytest -m gpu tests/backend/test_cuda_kda_chunks.py
@@ -62,6 +63,17 @@ def test_a_span_of_chunks_at_a_time_carries_the_state(monkeypatch):
     whole = _device_run(rows, state0)
     monkeypatch.setattr(kda_chunks, "SCRATCH_BYTES", 2 * 3 * 4 * 2 * 16 * (3 * 128 + 128 + 17))
     assert _gate(_device_run(rows, state0), whole, "spans of 3 chunks vs one span") <= CHUNK_REL
+
+
+def test_the_scans_lane_outranks_the_other_side_streams():
+    """The scans run on the "chunks" lane at the device's highest priority, so their blocks are
+    placed before the next span's prep (on the main stream, of the default priority the other
+    lanes keep); CUDA: a lower number ranks higher."""
+    from memra.backend.cuda import streams
+
+    device = cp.cuda.Device().id
+    rank = lambda stream: cp.cuda.runtime.streamGetPriority(stream.ptr)
+    assert rank(streams.side_stream(device, "chunks")) < rank(streams.side_stream(device, "beside"))
 
 
 def test_kda_recurrence_takes_the_chunked_scan_for_a_prompt_only():

@@ -73,8 +73,8 @@ def prime_kda(q, k, v, g, beta, state):
 
 
 def _scratch(span: int, hk: int, dk: int, dv: int) -> tuple:
-    """One span's pieces: w, qtil, khat [span, Hk, C, dk]; u0 [span, Hk, C, dv]; qm [span, Hk, C,
-    C]; decay [span, Hk, dk]."""
+    """One span's pieces in the kernels' argument order: w [span, Hk, C, dk], u0 [span, Hk, C, dv],
+    qm [span, Hk, C, C], qtil and khat [span, Hk, C, dk], decay [span, Hk, dk]."""
     w, qtil, khat = (cp.empty((span, hk, KDA_CHUNK, dk), cp.float32) for _ in range(3))
     return (w, cp.empty((span, hk, KDA_CHUNK, dv), cp.float32), cp.empty((span, hk, KDA_CHUNK, KDA_CHUNK), cp.float32),
             qtil, khat, cp.empty((span, hk, dk), cp.float32))

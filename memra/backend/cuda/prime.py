@@ -108,6 +108,16 @@ def gemm_bf16(handle: int, m: int, n: int, k: int, left: int, ld_left: int, righ
                   COMPUTE_32F, GEMM_DEFAULT)
 
 
+def gemm_bf16_batched(handle: int, op_a: int, op_b: int, m: int, n: int, k: int, a: int, lda: int, stride_a: int,
+                      b: int, ldb: int, stride_b: int, c: int, ldc: int, stride_c: int, batch: int,
+                      accumulate: bool = False) -> None:
+    """cuBLAS's column-major C_i [m, n] (+)= op_a(A_i) op_b(B_i) for i < batch: A and B bf16 bits,
+    C float32, each operand i at its address + i * its stride (in items)."""
+    cublas.gemmStridedBatchedEx(
+        handle, op_a, op_b, m, n, k, ONE.ctypes.data, a, R_16BF, lda, stride_a, b, R_16BF, ldb, stride_b,
+        (ONE if accumulate else ZERO).ctypes.data, c, R_32F, ldc, stride_c, batch, COMPUTE_32F, GEMM_DEFAULT)
+
+
 def _gemm(handle: int, b: int, ldb: int, m: int, w, c: int, accumulate: bool = False) -> None:
     """C [m, n_out] (+)= B [m, n_in] @ w.T: B bf16 bits at address b with row stride ldb, w [n_out,
     n_in] bf16 bits, C float32 at address c."""
@@ -198,12 +208,9 @@ def prime_head_linear(x, w):
     xp, handle = pieces(x.reshape(t * heads, n_in)), cublas_handle()  # [t, H, 3, in]
     for i, piece in enumerate(reversed(range(PIECES))):
         # column-major per head: out_h^T [out, t] (+)= w_h [out, in] x_h^T [in, t]
-        cublas.gemmStridedBatchedEx(
-            handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, t, n_in, ONE.ctypes.data,
-            w.data.ptr, R_16BF, n_in, n_out * n_in,
-            xp.data.ptr + 2 * piece * n_in, R_16BF, heads * PIECES * n_in, PIECES * n_in,
-            (ONE if i else ZERO).ctypes.data, out.data.ptr, R_32F, heads * n_out, n_out,
-            heads, COMPUTE_32F, GEMM_DEFAULT)
+        gemm_bf16_batched(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_out, t, n_in, w.data.ptr, n_in,
+                          n_out * n_in, xp.data.ptr + 2 * piece * n_in, heads * PIECES * n_in, PIECES * n_in,
+                          out.data.ptr, heads * n_out, n_out, heads, accumulate=i > 0)
     return out
 
 

@@ -22,8 +22,7 @@ import numpy as np
 import cupy as cp
 from cupy_backends.cuda.libs import cublas
 
-from memra.backend.cuda.prime import (COMPUTE_32F, GEMM_DEFAULT, ONE, R_16BF, R_32F, ZERO, cublas_handle, gemm_bf16,
-                                      pieces)
+from memra.backend.cuda.prime import cublas_handle, gemm_bf16, gemm_bf16_batched, pieces
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, SHARED_BYTES, blocks_of, check, columns_grid, f32, i32, launch
 from memra.backend.pieces import HEAD_PRODUCTS, LEFT_ORDER, PIECES, RIGHT_COPIES, SEGMENTS, head_group, piece_map
 from memra.limits import ATTEND_BYTES, ATTEND_ROWS, HEAD_ROWS
@@ -120,16 +119,6 @@ def prime_attend(q_lat, latent, positions, scale: float):
     return out
 
 
-def _batched(handle: int, op_a: int, op_b: int, m: int, n: int, k: int, a: int, lda: int, stride_a: int,
-             b: int, ldb: int, stride_b: int, c: int, ldc: int, stride_c: int, batch: int,
-             accumulate: bool = False) -> None:
-    """cuBLAS's column-major C_i [m, n] (+)= op_a(A_i) op_b(B_i) for i < batch: A and B bf16 bits,
-    C float32, each operand i at its address + i * its stride (in items)."""
-    cublas.gemmStridedBatchedEx(
-        handle, op_a, op_b, m, n, k, ONE.ctypes.data, a, R_16BF, lda, stride_a, b, R_16BF, ldb, stride_b,
-        (ONE if accumulate else ZERO).ctypes.data, c, R_32F, ldc, stride_c, batch, COMPUTE_32F, GEMM_DEFAULT)
-
-
 def _expand(lp, latent, w, keys: bool):
     """[span, g, d] float32: the latent rows through g heads' matrices, latent @ w[h] for the keys
     (w = W_UK^T [g, R, d]) or latent @ w[h].T for the values (w = W_UV [g, d, R]): bf16 weights
@@ -143,8 +132,9 @@ def _expand(lp, latent, w, keys: bool):
     op_w, ld_w = (cublas.CUBLAS_OP_N, d) if keys else (cublas.CUBLAS_OP_T, rank)
     for i, piece in enumerate(reversed(range(PIECES))):
         # column-major per head: out_h^T [d, span] (+)= op(w_h) [d, R] lp_piece^T [R, span]
-        _batched(handle, op_w, cublas.CUBLAS_OP_N, d, span, rank, w.data.ptr, ld_w, d * rank,
-                 lp.data.ptr + 2 * piece * rank, PIECES * rank, 0, out.data.ptr, g * d, d, g, accumulate=i > 0)
+        gemm_bf16_batched(handle, op_w, cublas.CUBLAS_OP_N, d, span, rank, w.data.ptr, ld_w, d * rank,
+                          lp.data.ptr + 2 * piece * rank, PIECES * rank, 0, out.data.ptr, g * d, d, g,
+                          accumulate=i > 0)
     return out
 
 
@@ -182,14 +172,14 @@ def prime_attend_heads(q, latent, positions, w_uk_t, w_uv, scale: float):
                              products * dn, dn)
             scores = cp.empty((n, g, ctx), cp.float32)
             # column-major per head: scores_h^T [ctx, n] = keys_h [ctx, 6 dn] left_h^T [6 dn, n]
-            _batched(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, ctx, n, products * dn,
-                     keys.data.ptr, g * products * dn, products * dn, left.data.ptr, g * products * dn,
-                     products * dn, scores.data.ptr, g * ctx, ctx, g)
+            gemm_bf16_batched(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, ctx, n, products * dn,
+                              keys.data.ptr, g * products * dn, products * dn, left.data.ptr, g * products * dn,
+                              products * dn, scores.data.ptr, g * ctx, ctx, g)
             probs = _softmax_pieces(scores, _keep(pos, ctx), g, ctx, scale, (0, 1, 2))
             for i, (a, b) in enumerate(HEAD_PRODUCTS):
                 # column-major per head: out_h^T [dv, n] (+)= values_b,h [dv, ctx] probs_a,h^T [ctx, n]
-                _batched(handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, dv, n, ctx,
-                         values.data.ptr + 2 * b * span * g * dv, g * dv, dv,
-                         probs.data.ptr + 2 * a * ctx, g * PIECES * ctx, PIECES * ctx,
-                         out.data.ptr + 4 * (r0 * h + h0) * dv, h * dv, dv, g, accumulate=i > 0)
+                gemm_bf16_batched(handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, dv, n, ctx,
+                                  values.data.ptr + 2 * b * span * g * dv, g * dv, dv,
+                                  probs.data.ptr + 2 * a * ctx, g * PIECES * ctx, PIECES * ctx,
+                                  out.data.ptr + 4 * (r0 * h + h0) * dv, h * dv, dv, g, accumulate=i > 0)
     return out

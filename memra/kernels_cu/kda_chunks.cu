@@ -157,7 +157,9 @@ static __device__ __forceinline__ void stage_chunk(float* st, const float* __res
 // state [Hk, dk, dv] advances in place over the span's nc chunks; out [t, Hk, dv]. Grid
 // (ceil(dv / 32), Hk), MAX_DK threads, SCAN_SHARED bytes of dynamic shared memory (two stages):
 // lane = value column, warp = 32 keys, so S stays in registers and W S0, Qtil S0 are
-// warp-partial sums (shared W / Qtil rows broadcast as float4) added over the warps in a fixed order.
+// warp-partial sums (shared W / Qtil rows broadcast as float4) added over the warps in a fixed
+// order. Three barriers a chunk: its copies landed (and the previous chunk is done with the
+// stage the next copy takes), the partial sums written, u and Qtil S0 summed.
 extern "C" __global__ void __launch_bounds__(KDA_CHUNK_MAX_DK)
 kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const float* __restrict__ qm,
                const float* __restrict__ qtil, const float* __restrict__ khat, const float* __restrict__ decay,
@@ -165,8 +167,10 @@ kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const 
                int dk, int dv) {
     after_predecessor();
     extern __shared__ __align__(16) float stages[];  // 2 * STAGE_FLOATS
-    __shared__ float sp[CH][TILE];
-    static_assert(SCAN_WARPS * 2 * CH * TILE <= 2 * CH * MAX_DK, "the partial sums fit where W, Qtil were");
+    __shared__ float sp[CH][TILE];                    // Qtil S0
+    __shared__ float partial[SCAN_WARPS][2 * CH][TILE];
+    static_assert(CH % SCAN_WARPS == 0 && (2 * CH * TILE) % MAX_DK == 0, "whole rows a warp, whole sums a thread");
+    constexpr int OUT_ROWS = CH / SCAN_WARPS;  // output rows a thread: warp, warp + SCAN_WARPS, ...
     const int h = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int c0 = blockIdx.x * TILE, c = c0 + lane, d0 = warp * 32;
     const bool keys = d0 < dk;  // warp-uniform
@@ -177,15 +181,12 @@ kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const 
     stage_chunk(stages, w, u0, qm, qtil, khat, decay, h, c0, dk, dv);
     for (int ci = 0; ci < nc; ++ci) {
         float* st = stages + (ci & 1) * STAGE_FLOATS;
-        __syncthreads();  // the previous chunk is done with the other stage
+        asm volatile("cp.async.wait_group 0;\n" ::);  // this chunk's copies, the one group in flight
+        __syncthreads();  // ... landed for every thread; every thread is past the previous chunk
         if (ci + 1 < nc)
             stage_chunk(stages + ((ci + 1) & 1) * STAGE_FLOATS, w, u0, qm, qtil, khat, decay,
                         (long long)(ci + 1) * hk + h, c0, dk, dv);
-        else
-            asm volatile("cp.async.commit_group;\n" ::);  // an empty group keeps the wait count uniform
-        asm volatile("cp.async.wait_group 1;\n" ::);      // this chunk's copies have landed
-        __syncthreads();
-        float* wq = st + STAGE_W;  // W rows then Qtil rows; then the warps' partial sums
+        const float* wq = st + STAGE_W;  // W rows then Qtil rows
         const float* kh = st + STAGE_K;
         const float* sdecay = st + STAGE_DECAY;
         float* su = st + STAGE_U;  // U0, then u = U0 - W S0 in place
@@ -207,25 +208,33 @@ kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const 
                 }
             }
         }
-        __syncthreads();  // every warp has read W and Qtil: their space takes the partial sums
 #pragma unroll
-        for (int r = 0; r < 2 * CH; ++r) wq[(warp * 2 * CH + r) * TILE + lane] = acc[r];
+        for (int r = 0; r < 2 * CH; ++r) partial[warp][r][lane] = acc[r];
         __syncthreads();
-        for (int idx = threadIdx.x; idx < 2 * CH * TILE; idx += blockDim.x) {
-            const int r = idx / TILE, col = idx % TILE;
+#pragma unroll
+        for (int i = 0; i < 2 * CH * TILE / MAX_DK; ++i) {
+            const int idx = threadIdx.x + i * MAX_DK, r = idx / TILE, col = idx % TILE;
             float sum = 0.0f;
-            for (int ww = 0; ww < SCAN_WARPS; ++ww) sum += wq[(ww * 2 * CH + r) * TILE + col];
+#pragma unroll
+            for (int ww = 0; ww < SCAN_WARPS; ++ww) sum += partial[ww][r][col];
             if (r < CH) su[r * TILE + col] = su[r * TILE + col] - sum;  // u = U0 - W S0
             else sp[r - CH][col] = sum;                                 // Qtil S0
         }
         __syncthreads();
-        for (int idx = threadIdx.x; idx < CH * TILE; idx += blockDim.x) {
-            const int r = idx / TILE, col = idx % TILE, row = row0 + ci * CH + r;
-            if (row < t && c0 + col < dv) {
-                float o = sp[r][col];
-                for (int j = 0; j <= r; ++j) o = fmaf(sqm[r * CH + j], su[j * TILE + col], o);
-                out[((long long)row * hk + h) * dv + c0 + col] = o;
-            }
+        // o = Qtil S0 + Qm u, Qm's upper triangle zero: each row's terms in the order j = 0, 1, ..
+        float o[OUT_ROWS];
+#pragma unroll
+        for (int m = 0; m < OUT_ROWS; ++m) o[m] = sp[warp + m * SCAN_WARPS][lane];
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            const float uj = su[j * TILE + lane];
+#pragma unroll
+            for (int m = 0; m < OUT_ROWS; ++m) o[m] = fmaf(sqm[(warp + m * SCAN_WARPS) * CH + j], uj, o[m]);
+        }
+#pragma unroll
+        for (int m = 0; m < OUT_ROWS; ++m) {
+            const int row = row0 + ci * CH + warp + m * SCAN_WARPS;
+            if (row < t && c < dv) out[((long long)row * hk + h) * dv + c] = o[m];
         }
         if (keys) {  // S = decay S + Khat^T u on this thread's 32 keys of column c
             float uc[CH];

@@ -47,7 +47,8 @@ KDA_CONV_LANES = 32  # short_conv: channels a block, a lane each, the walk's row
 
 # kda_chunks.cu: a prompt's chunked delta-rule scan (prime class)
 KDA_CHUNK = 16          # rows per chunk: the in-chunk solve is KDA_CHUNK x KDA_CHUNK
-KDA_CHUNK_MAX_DK = 128  # key dim of the chunked scan: a scan block's warps hold 32 keys each
+KDA_CHUNK_MAX_DK = 128  # key dim of the chunked scan
+KDA_SCAN_KEYS = 16      # keys of a value column a scan thread holds: MAX_DK / 16 = 8 warps a block
 
 # kpool.cu
 KPOOL_POOLS = 8     # pools per kpool_scores block: a thread a (pool, head) dot, 32 heads x 8 = 256
@@ -91,6 +92,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "KDA_CONV_LANES": KDA_CONV_LANES,
     "KDA_CHUNK": KDA_CHUNK,
     "KDA_CHUNK_MAX_DK": KDA_CHUNK_MAX_DK,
+    "KDA_SCAN_KEYS": KDA_SCAN_KEYS,
     "KPOOL_POOLS": KPOOL_POOLS,
     "MIX_CHANNELS": MIX_CHANNELS,
     "MIX_SPLIT": MIX_SPLIT,

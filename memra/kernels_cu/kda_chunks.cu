@@ -12,11 +12,14 @@
 #include "common.cuh"
 
 static_assert(KDA_CHUNK_MAX_DK % 32 == 0 && KDA_CHUNK_MAX_DK <= MEMRA_BLOCK, "whole warps of keys");
+static_assert(KDA_SCAN_KEYS % 4 == 0 && KDA_CHUNK_MAX_DK % KDA_SCAN_KEYS == 0, "float4 reads of whole key groups");
 
 constexpr int CH = KDA_CHUNK;
 constexpr int MAX_DK = KDA_CHUNK_MAX_DK;
 constexpr int TILE = 32;                  // value columns per scan block: one per lane
-constexpr int SCAN_WARPS = MAX_DK / 32;   // a scan warp holds 32 keys of its lanes' columns
+constexpr int KEYS = KDA_SCAN_KEYS;       // a scan warp holds KEYS keys of its lanes' columns
+constexpr int SCAN_WARPS = MAX_DK / KEYS;
+constexpr int SCAN_THREADS = 32 * SCAN_WARPS;
 
 static __device__ __forceinline__ float chunk_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -155,12 +158,12 @@ static __device__ __forceinline__ void stage_chunk(float* st, const float* __res
 }
 
 // state [Hk, dk, dv] advances in place over the span's nc chunks; out [t, Hk, dv]. Grid
-// (ceil(dv / 32), Hk), MAX_DK threads, SCAN_SHARED bytes of dynamic shared memory (two stages):
-// lane = value column, warp = 32 keys, so S stays in registers and W S0, Qtil S0 are
+// (ceil(dv / 32), Hk), SCAN_THREADS threads, SCAN_SHARED bytes of dynamic shared memory (two
+// stages): lane = value column, warp = KEYS keys, so S stays in registers and W S0, Qtil S0 are
 // warp-partial sums (shared W / Qtil rows broadcast as float4) added over the warps in a fixed
 // order. Three barriers a chunk: its copies landed (and the previous chunk is done with the
 // stage the next copy takes), the partial sums written, u and Qtil S0 summed.
-extern "C" __global__ void __launch_bounds__(KDA_CHUNK_MAX_DK)
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
 kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const float* __restrict__ qm,
                const float* __restrict__ qtil, const float* __restrict__ khat, const float* __restrict__ decay,
                float* __restrict__ state, float* __restrict__ out, int row0, int nc, int t, int hk,
@@ -169,15 +172,15 @@ kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const 
     extern __shared__ __align__(16) float stages[];  // 2 * STAGE_FLOATS
     __shared__ float sp[CH][TILE];                    // Qtil S0
     __shared__ float partial[SCAN_WARPS][2 * CH][TILE];
-    static_assert(CH % SCAN_WARPS == 0 && (2 * CH * TILE) % MAX_DK == 0, "whole rows a warp, whole sums a thread");
+    static_assert(CH % SCAN_WARPS == 0 && (2 * CH * TILE) % SCAN_THREADS == 0, "whole rows a warp, whole sums a thread");
     constexpr int OUT_ROWS = CH / SCAN_WARPS;  // output rows a thread: warp, warp + SCAN_WARPS, ...
     const int h = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int c0 = blockIdx.x * TILE, c = c0 + lane, d0 = warp * 32;
+    const int c0 = blockIdx.x * TILE, c = c0 + lane, d0 = warp * KEYS;
     const bool keys = d0 < dk;  // warp-uniform
     float* sh = state + (long long)h * dk * dv;
-    float s[32];
+    float s[KEYS];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) s[i] = c < dv && d0 + i < dk ? sh[(long long)(d0 + i) * dv + c] : 0.0f;
+    for (int i = 0; i < KEYS; ++i) s[i] = c < dv && d0 + i < dk ? sh[(long long)(d0 + i) * dv + c] : 0.0f;
     stage_chunk(stages, w, u0, qm, qtil, khat, decay, h, c0, dk, dv);
     for (int ci = 0; ci < nc; ++ci) {
         float* st = stages + (ci & 1) * STAGE_FLOATS;
@@ -197,7 +200,7 @@ kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const 
         for (int r = 0; r < 2 * CH; ++r) acc[r] = 0.0f;
         if (keys) {
 #pragma unroll
-            for (int i = 0; i < 32; i += 4) {
+            for (int i = 0; i < KEYS; i += 4) {
 #pragma unroll
                 for (int r = 0; r < 2 * CH; ++r) {
                     const float4 a = *reinterpret_cast<const float4*>(&wq[r * MAX_DK + d0 + i]);
@@ -212,8 +215,8 @@ kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const 
         for (int r = 0; r < 2 * CH; ++r) partial[warp][r][lane] = acc[r];
         __syncthreads();
 #pragma unroll
-        for (int i = 0; i < 2 * CH * TILE / MAX_DK; ++i) {
-            const int idx = threadIdx.x + i * MAX_DK, r = idx / TILE, col = idx % TILE;
+        for (int i = 0; i < 2 * CH * TILE / SCAN_THREADS; ++i) {
+            const int idx = threadIdx.x + i * SCAN_THREADS, r = idx / TILE, col = idx % TILE;
             float sum = 0.0f;
 #pragma unroll
             for (int ww = 0; ww < SCAN_WARPS; ++ww) sum += partial[ww][r][col];
@@ -236,12 +239,12 @@ kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const 
             const int row = row0 + ci * CH + warp + m * SCAN_WARPS;
             if (row < t && c < dv) out[((long long)row * hk + h) * dv + c] = o[m];
         }
-        if (keys) {  // S = decay S + Khat^T u on this thread's 32 keys of column c
+        if (keys) {  // S = decay S + Khat^T u on this thread's KEYS keys of column c
             float uc[CH];
 #pragma unroll
             for (int j = 0; j < CH; ++j) uc[j] = su[j * TILE + lane];
 #pragma unroll
-            for (int i = 0; i < 32; i += 4) {
+            for (int i = 0; i < KEYS; i += 4) {
                 const float4 dc = *reinterpret_cast<const float4*>(&sdecay[d0 + i]);
                 float n0 = dc.x * s[i], n1 = dc.y * s[i + 1], n2 = dc.z * s[i + 2], n3 = dc.w * s[i + 3];
 #pragma unroll
@@ -261,6 +264,6 @@ kda_chunk_scan(const float* __restrict__ w, const float* __restrict__ u0, const 
     }
     if (c >= dv) return;
 #pragma unroll
-    for (int i = 0; i < 32; ++i)
+    for (int i = 0; i < KEYS; ++i)
         if (d0 + i < dk) sh[(long long)(d0 + i) * dv + c] = s[i];
 }

@@ -14,10 +14,11 @@ import cupy as cp
 
 from memra.backend.cuda.runtime import BLOCK, check, i32, kernel, launch, opt_in
 from memra.backend.cuda.streams import fork, join, recorded
-from memra.kernels_cu.constants import KDA_CHUNK, KDA_CHUNK_MAX_DK
+from memra.kernels_cu.constants import KDA_CHUNK, KDA_CHUNK_MAX_DK, KDA_SCAN_KEYS
 
 SCRATCH_BYTES = 1 << 28  # the pieces of the two spans of chunks in flight (a 4096-row bench prompt: 5 spans)
 TILE = 32                # value columns per scan block (kda_chunks.cu)
+SCAN_THREADS = 32 * KDA_CHUNK_MAX_DK // KDA_SCAN_KEYS  # a warp per KDA_SCAN_KEYS keys
 # the scan's two stages of one chunk's pieces (kda_chunks.cu STAGE_FLOATS): W, Qtil, Khat rows,
 # U0 columns, Qm, decay; over the 48 KB default, so the kernel is given the room explicitly
 SCAN_SHARED = 2 * 4 * (3 * KDA_CHUNK * KDA_CHUNK_MAX_DK + KDA_CHUNK * TILE + KDA_CHUNK ** 2 + KDA_CHUNK_MAX_DK)
@@ -86,6 +87,6 @@ def _prep(q, k, v, g, beta, pieces, c0: int, nc: int, t: int, hk: int, dk: int, 
 
 
 def _scan(pieces, state, out, c0: int, nc: int, t: int, hk: int, dk: int, dv: int) -> None:
-    launch("kda_chunks", "kda_chunk_scan", (-(-dv // TILE), hk), (KDA_CHUNK_MAX_DK,),
+    launch("kda_chunks", "kda_chunk_scan", (-(-dv // TILE), hk), (SCAN_THREADS,),
            (*pieces, state, out, i32(c0 * KDA_CHUNK), i32(nc), i32(t), i32(hk), i32(dk), i32(dv)), SCAN_SHARED)
 

@@ -61,14 +61,16 @@ kda_chunk_prep(const float* __restrict__ q, const float* __restrict__ k,
         }
     }
     __syncthreads();
-    // A and Qm: a warp per pair j <= r (p = r (r + 1) / 2 + j), lanes over the keys
+    // A and Qm: a warp per pair j <= r (p = r (r + 1) / 2 + j), lanes over the keys; (r, j)
+    // follows p forward (j past r wraps into the next rows) instead of being searched anew
     const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    for (int p = threadIdx.x / 32; p < CH * (CH + 1) / 2; p += warps) {
-        int r = 0;
-        while ((r + 1) * (r + 2) / 2 <= p) ++r;
-        const int j = p - r * (r + 1) / 2;
+    for (int p = threadIdx.x / 32, r = 0, j = p; p < CH * (CH + 1) / 2; p += warps) {
+        for (; j > r; ++r) j -= r + 1;
         float kk = 0.0f, qk = 0.0f;
-        for (int d = lane; d < dk; d += 32) {
+#pragma unroll
+        for (int i = 0; i < MAX_DK / 32; ++i) {  // unrolled: the keys' loads and exponentials fly together
+            const int d = lane + 32 * i;
+            if (d >= dk) break;
             const float e = expf(fminf((hi[r][d] - hi[j][d]) + (lo[r][d] - lo[j][d]), 0.0f));
             const float kj = sk[j][d] * e;
             kk = fmaf(sk[r][d], kj, kk);
@@ -80,6 +82,7 @@ kda_chunk_prep(const float* __restrict__ q, const float* __restrict__ k,
             sa[r][j] = j < r ? sb[r] * kk : 0.0f;
             qm[piece * CH * CH + r * CH + j] = qk;
         }
+        j += warps;
     }
     for (int idx = threadIdx.x; idx < CH * CH; idx += blockDim.x)
         if (idx % CH > idx / CH) qm[piece * CH * CH + idx] = 0.0f;

@@ -49,6 +49,9 @@
 #ifndef HC_ROWS
 #define HC_ROWS 4
 #endif
+#ifndef HC_VECTOR
+#define HC_VECTOR 4
+#endif
 #ifndef KDA_MAX_CONV
 #define KDA_MAX_CONV 16
 #endif
@@ -72,6 +75,9 @@
 #endif
 #ifndef KDA_CHUNK_MAX_DK
 #define KDA_CHUNK_MAX_DK 128
+#endif
+#ifndef KDA_SCAN_KEYS
+#define KDA_SCAN_KEYS 16
 #endif
 #ifndef KPOOL_POOLS
 #define KPOOL_POOLS 8

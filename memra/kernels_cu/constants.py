@@ -36,6 +36,7 @@ HC_MAX_N = 8                  # streams: hc_weights holds the n x n mix in a war
 HC_CHUNK = MEMRA_BLOCK * 8    # flattened stream elements per hc_partials block
 HC_SLOTS = 4                  # fn dots (or the sum of squares) per hc_partials block
 HC_ROWS = 4                   # rows per hc_partials block: each fn value loaded serves them all
+HC_VECTOR = 4                 # channels a thread of a prompt's hc_collapse_site / hc_combine (a float4)
 
 # kda.cu
 KDA_MAX_CONV = 16   # conv taps held in registers
@@ -84,6 +85,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "HC_CHUNK": HC_CHUNK,
     "HC_SLOTS": HC_SLOTS,
     "HC_ROWS": HC_ROWS,
+    "HC_VECTOR": HC_VECTOR,
     "KDA_MAX_CONV": KDA_MAX_CONV,
     "KDA_MAX_DK": KDA_MAX_DK,
     "KDA_COLS": KDA_COLS,

@@ -178,20 +178,55 @@ extern "C" __global__ void hc_collapse(const float* __restrict__ streams, const 
     });
 }
 
+// W consecutive channels of a row: one 16-byte access when W = HC_VECTOR (the host checks d and
+// the pointers), else one float. Zeros for a missing stream.
+template <int W>
+static __device__ __forceinline__ void load_channels(const float* p, bool present, float (&v)[W]) {
+    if constexpr (W == 4) {
+        if (present) {
+            const float4 a = *reinterpret_cast<const float4*>(p);
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+            return;
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < W; ++e) v[e] = present ? p[e] : 0.0f;
+}
+
+template <int W>
+static __device__ __forceinline__ void store_channels(float* p, const float (&v)[W]) {
+    if constexpr (W == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < W; ++e) p[e] = v[e];
+    }
+}
+
+// Channels k .. k + W - 1 of every stream of row r: xs[i][e] = X[r, i, k + e].
+template <int W>
+static __device__ __forceinline__ void load_streams(const float* streams, long long r, int k, int n, int d,
+                                                    float (&xs)[HC_MAX_N][W]) {
+#pragma unroll
+    for (int i = 0; i < HC_MAX_N; ++i) load_channels<W>(streams + (r * n + i) * d + k, i < n, xs[i]);
+}
+
+static_assert(HC_VECTOR == 4, "load_channels and store_channels move a float4");
+
 // hc_collapse with the pre weights made from hc_weights' partials part [t, chunks, outs + 1]
 // (the same bits as hc_weights' pre): the site's collapse need not wait for its Sinkhorn mix,
-// which runs beside the block (HyperOps.hc_site). Grid runtime.columns_grid(t, D).
-extern "C" __global__ void hc_collapse_site(const float* __restrict__ streams, const float* __restrict__ part,
-                                            const float* __restrict__ base, const float* __restrict__ scale,
-                                            float* __restrict__ out, int t, int n, int d, int chunks,
-                                            float rms_eps, float hc_eps) {
-    after_predecessor();
+// which runs beside the block (HyperOps.hc_site). Grid runtime.columns_grid(t, D / W): thread
+// k / W of a row makes channels k .. k + W - 1, each the sum of pre_i X_i in stream order.
+template <int W>
+static __device__ void collapse_site(const float* __restrict__ streams, const float* __restrict__ part,
+                                     const float* __restrict__ base, const float* __restrict__ scale,
+                                     float* __restrict__ out, int t, int n, int d, int chunks,
+                                     float rms_eps, float hc_eps) {
     __shared__ float pre[HC_MAX_N];
-    const int k = blockIdx.x * blockDim.x + threadIdx.x, outs = (2 + n) * n;
+    const int k = (blockIdx.x * blockDim.x + threadIdx.x) * W, outs = (2 + n) * n;
     for (long long r = blockIdx.y; r < t; r += gridDim.y) {  // uniform across the block
-        float xs[HC_MAX_N];  // loaded first: their latency overlaps the pre weights' loads
-#pragma unroll
-        for (int i = 0; i < HC_MAX_N; ++i) xs[i] = k < d && i < n ? streams[(r * n + i) * d + k] : 0.0f;
+        float xs[HC_MAX_N][W];  // loaded first: their latency overlaps the pre weights' loads
+        if (k < d) load_streams<W>(streams, r, k, n, d, xs);
         const float* p = part + r * chunks * (outs + 1);
         if (threadIdx.x < n) {
             const float inv = hc_inv_rms(hc_slot_sum(p, outs, chunks, outs), n, d, rms_eps);
@@ -199,37 +234,68 @@ extern "C" __global__ void hc_collapse_site(const float* __restrict__ streams, c
         }
         __syncthreads();
         if (k < d) {
-            float acc = pre[0] * xs[0];
+            float acc[W];
 #pragma unroll
-            for (int i = 1; i < HC_MAX_N; ++i)
-                if (i < n) acc = acc + pre[i] * xs[i];
-            out[r * d + k] = acc;
+            for (int e = 0; e < W; ++e) {
+                acc[e] = pre[0] * xs[0][e];
+#pragma unroll
+                for (int i = 1; i < HC_MAX_N; ++i)
+                    if (i < n) acc[e] = acc[e] + pre[i] * xs[i][e];
+            }
+            store_channels<W>(out + r * d + k, acc);
         }
         __syncthreads();  // every thread has read pre before the next row's
     }
 }
 
-// X'[r, b, k] = post[r, b] f[r, k] + sum_a C[r, a, b] X[r, a, k] (C transposed), a ascending.
-// A thread makes channel k of all n output streams from one read of its n inputs.
-extern "C" __global__ void hc_combine(const float* __restrict__ streams, const float* __restrict__ f,
-                                      const float* __restrict__ post, const float* __restrict__ comb,
-                                      float* __restrict__ out, int t, int n, int d) {
+// width 1, or HC_VECTOR for a prompt's rows (HyperOps._width): the same sums per channel.
+extern "C" __global__ void hc_collapse_site(const float* __restrict__ streams, const float* __restrict__ part,
+                                            const float* __restrict__ base, const float* __restrict__ scale,
+                                            float* __restrict__ out, int t, int n, int d, int chunks,
+                                            float rms_eps, float hc_eps, int width) {
     after_predecessor();
-    for_column_rows(t, d, [&](long long r, int k) {
-        const float* x = streams + r * n * d + k;
-        float xs[HC_MAX_N];
+    if (width == HC_VECTOR)
+        collapse_site<HC_VECTOR>(streams, part, base, scale, out, t, n, d, chunks, rms_eps, hc_eps);
+    else
+        collapse_site<1>(streams, part, base, scale, out, t, n, d, chunks, rms_eps, hc_eps);
+}
+
+// X'[r, b, k] = post[r, b] f[r, k] + sum_a C[r, a, b] X[r, a, k] (C transposed), a ascending.
+// A thread makes W channels of all n output streams from one read of its n inputs; width 1, or
+// HC_VECTOR for a prompt's rows (grid columns_grid(t, D / width)).
+template <int W>
+static __device__ __forceinline__ void combine_channels(const float* streams, const float* f, const float* post,
+                                                        const float* comb, float* out, long long r, int k,
+                                                        int n, int d) {
+    float xs[HC_MAX_N][W], fk[W];
+    load_streams<W>(streams, r, k, n, d, xs);
+    load_channels<W>(f + r * d + k, true, fk);
+    for (int b = 0; b < n; ++b) {
+        const float* c = comb + r * n * n + b;
+        const float pb = post[r * n + b];
+        float y[W];
 #pragma unroll
-        for (int a = 0; a < HC_MAX_N; ++a) xs[a] = a < n ? x[(long long)a * d] : 0.0f;
-        const float fk = f[r * d + k];
-        for (int b = 0; b < n; ++b) {
-            const float* c = comb + r * n * n + b;
-            float acc = c[0] * xs[0];
+        for (int e = 0; e < W; ++e) {
+            float acc = c[0] * xs[0][e];
 #pragma unroll
             for (int a = 1; a < HC_MAX_N; ++a)
-                if (a < n) acc = acc + c[a * n] * xs[a];
-            out[(r * n + b) * d + k] = post[r * n + b] * fk + acc;
+                if (a < n) acc = acc + c[a * n] * xs[a][e];
+            y[e] = pb * fk[e] + acc;
         }
-    });
+        store_channels<W>(out + (r * n + b) * d + k, y);
+    }
+}
+
+extern "C" __global__ void hc_combine(const float* __restrict__ streams, const float* __restrict__ f,
+                                      const float* __restrict__ post, const float* __restrict__ comb,
+                                      float* __restrict__ out, int t, int n, int d, int width) {
+    after_predecessor();
+    if (width == HC_VECTOR)
+        for_column_rows(t, d / HC_VECTOR, [&](long long r, int col) {
+            combine_channels<HC_VECTOR>(streams, f, post, comb, out, r, col * HC_VECTOR, n, d);
+        });
+    else
+        for_column_rows(t, d, [&](long long r, int k) { combine_channels<1>(streams, f, post, comb, out, r, k, n, d); });
 }
 
 // Unweighted stream mean: sum in stream order, then one division by n (as the reference).

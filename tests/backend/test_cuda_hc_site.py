@@ -3,7 +3,8 @@ block (backend/cuda/hyper.py).
 
 * Bit-identical to the ops in sequence (hc_weights, hc_collapse, the block, hc_combine): decode
   rows (t = 1, 7, 15, where the partials are hc_partials' chunks) and a prompt's rows (t = 40: the
-  prime GEMM's one chunk), n = 3, 4, 8 streams; eagerly and replayed from a graph captured the
+  prime GEMM's one chunk; where D allows, the site's collapse moves four channels a thread while
+  hc_collapse moves one), n = 3, 4, 8 streams; eagerly and replayed from a graph captured the
   way a walk is (graphs.CapturedWalk: programmatic dependent launch, a private pool).
 * Red arm: the join is what orders it. With the side stream held busy by a spinning kernel, a
   site whose hc_combine does not wait for the mix reads a stale comb and differs; the same site

@@ -67,8 +67,8 @@ def is_prime(t: int) -> bool:
     return t > VERIFY_CAP
 
 
-def _width(n: int, vector: int, *arrays) -> int:
-    """Values a thread of prime.cu's elementwise kernels over rows of n: `vector` where the rows
+def vector_width(n: int, vector: int, *arrays) -> int:
+    """Values a thread of an elementwise kernel over rows of n: `vector` where the rows
     split so and every array starts aligned to a vector of its items (then every row does), else one."""
     aligned = all(a.data.ptr % (a.itemsize * vector) == 0 for a in arrays)
     return vector if n % vector == 0 and aligned else 1
@@ -83,7 +83,7 @@ def pieces(x, rows=None):
     m, d = (x.shape[0] if rows is None else rows.size), x.shape[1]
     out = cp.empty((m, PIECES, d), cp.uint16)
     if m * d:
-        width = _width(d, PIECES_VECTOR, x, out)
+        width = vector_width(d, PIECES_VECTOR, x, out)
         launch("prime", "bf16_pieces", columns_grid(m, d // width), (BLOCK,),
                (x, rows, out, np.int64(m), i32(d), i32(width)))
     return out
@@ -153,7 +153,7 @@ def fp8_pieces(data, scale_inv):
     n_out, n_in = data.shape
     out = cp.empty((PIECES, n_out, n_in), cp.uint16)
     if data.size:
-        width = _width(n_in, FP8_PIECES_WIDTH, data, out)
+        width = vector_width(n_in, FP8_PIECES_WIDTH, data, out)
         launch("prime", "fp8_pieces", columns_grid(n_out, n_in // width), (BLOCK,),
                (data, scale_inv, out, i32(n_out), i32(n_in), i32(width)))
     return out
@@ -281,7 +281,7 @@ def _gemm_experts(handle: int, xp, plan, stacks, limit: float, down, base: int =
     hidden = cp.empty((slots, PIECES, inter), cp.uint16)
     if isinstance(down_w, DeviceFp8):  # its products accumulate: zero the rows they go to, no others
         down[base:base + slots] = 0
-    width = _width(inter, PIECES_VECTOR, gate, up, hidden)
+    width = vector_width(inter, PIECES_VECTOR, gate, up, hidden)
     launch("prime", "swiglu_pieces", columns_grid(slots, inter // width), (BLOCK,),
            (gate, up, hidden, np.int64(slots), i32(inter), f32(limit), i32(width)))
     for ex, m, start in plan:

@@ -64,6 +64,9 @@
 #ifndef KDA_MARK_ROWS
 #define KDA_MARK_ROWS 4
 #endif
+#ifndef KDA_GATE_VECTOR
+#define KDA_GATE_VECTOR 4
+#endif
 #ifndef KDA_CONV_SPAN
 #define KDA_CONV_SPAN 64
 #endif

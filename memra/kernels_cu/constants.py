@@ -43,6 +43,7 @@ KDA_MAX_CONV = 16   # conv taps held in registers
 KDA_MAX_DK = 256    # key dim: kda_recurrence_k32's threads hold 32 keys of a state column
 KDA_COLS = 32       # state columns per kda_recurrence block: a lane each in 8 warps (MEMRA_BLOCK / 32)
 KDA_MARK_ROWS = 4   # a verify walk keeps its state every this many rows: a rollback replays < 4 rows
+KDA_GATE_VECTOR = 4  # channels a thread of a prompt's kda_gate (a float4)
 KDA_CONV_SPAN = 64  # a prompt's short_conv rows per thread (short_conv_spans)
 KDA_CONV_LANES = 32  # short_conv: channels a block, a lane each, the walk's rows over its warps
 
@@ -90,6 +91,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "KDA_MAX_DK": KDA_MAX_DK,
     "KDA_COLS": KDA_COLS,
     "KDA_MARK_ROWS": KDA_MARK_ROWS,
+    "KDA_GATE_VECTOR": KDA_GATE_VECTOR,
     "KDA_CONV_SPAN": KDA_CONV_SPAN,
     "KDA_CONV_LANES": KDA_CONV_LANES,
     "KDA_CHUNK": KDA_CHUNK,

@@ -72,21 +72,38 @@ extern "C" __global__ void short_conv(const float* __restrict__ x, float* __rest
 
 // g = lb * sigmoid(exp(a_log) (f + dt_bias)) when has_lb, else -exp(a_log) softplus(f + dt_bias)
 // with the reference's softplus (linear above 20). f, out [t, Hk, dk]; dt_bias [Hk, dk].
+static __device__ __forceinline__ float kda_gate_value(float f, float a_log, float dt_bias, int has_lb, float lb) {
+    const float z = f + dt_bias;
+    const float rate = expf(a_log);
+    if (has_lb) return lb * sigmoidf_stable(rate * z);
+    const float soft = z > 20.0f ? z : log1pf(expf(fminf(z, 20.0f)));
+    return -rate * soft;
+}
+
+// Grid runtime.columns_grid(t, Hk dk / width): a thread makes `width` channels of a row (1, or
+// KDA_GATE_VECTOR for a prompt's rows: a float4 each, more bytes in flight a thread).
 extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __restrict__ a_log,
                                     const float* __restrict__ dt_bias, float* __restrict__ out,
-                                    int t, int hk, int dk, int has_lb, float lb) {
+                                    int t, int hk, int dk, int has_lb, float lb, int width) {
     after_predecessor();
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)t * hk * dk) return;
-    const int h = (int)((idx / dk) % hk), i = (int)(idx % dk);
-    const float z = f[idx] + dt_bias[h * dk + i];
-    const float rate = expf(a_log[h]);
-    if (has_lb) {
-        out[idx] = lb * sigmoidf_stable(rate * z);
-    } else {
-        const float soft = z > 20.0f ? z : log1pf(expf(fminf(z, 20.0f)));
-        out[idx] = -rate * soft;
+    if (width == KDA_GATE_VECTOR) {
+        static_assert(KDA_GATE_VECTOR == 4, "a float4 a thread");
+        for_column_rows(t, hk * dk / 4, [&](long long r, int col) {
+            const int c = col * 4;  // dk % 4 == 0: the four channels share a head
+            const long long idx = r * hk * dk + c;
+            const float4 fv = *reinterpret_cast<const float4*>(f + idx);
+            const float4 bv = *reinterpret_cast<const float4*>(dt_bias + c);
+            const float al = a_log[c / dk];
+            *reinterpret_cast<float4*>(out + idx) = make_float4(
+                kda_gate_value(fv.x, al, bv.x, has_lb, lb), kda_gate_value(fv.y, al, bv.y, has_lb, lb),
+                kda_gate_value(fv.z, al, bv.z, has_lb, lb), kda_gate_value(fv.w, al, bv.w, has_lb, lb));
+        });
+        return;
     }
+    for_column_rows(t, hk * dk, [&](long long r, int col) {
+        const long long idx = r * hk * dk + col;
+        out[idx] = kda_gate_value(f[idx], a_log[col / dk], dt_bias[col], has_lb, lb);
+    });
 }
 
 // Delta rule over the t rows in order, per head h:
@@ -306,23 +323,51 @@ KDA_RECURRENCE(kda_recurrence_k16, 16, VERIFY_CAP, 4)
 KDA_RECURRENCE(kda_recurrence_k32, 32, 8, 1)   // up to KDA_MAX_DK; shared memory holds 8 rows of 256 keys
 
 // short_conv for a prompt (prime class): the rows split into spans of KDA_CONV_SPAN, a thread
-// per (channel, span), each output's taps in the same order as short_conv (so the same bits).
-// The ring is only read: the wrapper copies the last K-1 rows of x into it afterwards.
-extern "C" __global__ void short_conv_spans(const float* __restrict__ x, const float* __restrict__ ring,
-                                            const float* __restrict__ w, float* __restrict__ out,
-                                            int t, int c, int k, int cg) {
-    after_predecessor();
+// per (channel, span), each output's taps in the same order as conv_silu (so the same bits). The
+// taps and the K-1 inputs before a row stay in registers (loops unrolled to K and predicated on
+// k <= K; k == K for the checkpoints' 4 taps), and CONV_BATCH rows' inputs load before any is
+// used: one load in flight a thread, a row at a time, left the kernel latency-bound at ~40% of
+// the copy bandwidth. The ring is only read: the wrapper copies the last K-1 rows of x into it.
+constexpr int CONV_BATCH = 8;
+
+template <int K>
+static __device__ void conv_spans(const float* __restrict__ x, const float* __restrict__ ring,
+                                  const float* __restrict__ w, float* __restrict__ out, int t, int c, int k,
+                                  int cg) {
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     const int r0 = blockIdx.y * KDA_CONV_SPAN, r1 = min(r0 + KDA_CONV_SPAN, t);
     if (ch >= c) return;
     float* o = out + (long long)(ch / cg) * t * cg + ch % cg;
-    float hist[KDA_MAX_CONV];
-    for (int j = 0; j < k - 1; ++j) {  // the K-1 inputs before row r0: rows of x, or the ring's
-        const int src = r0 - (k - 1) + j;
-        hist[j] = src >= 0 ? x[(long long)src * c + ch] : ring[(long long)(src + k - 1) * c + ch];
+    float wc[K], hist[K];  // hist[0 .. k - 2]: the K-1 inputs before the next row, oldest first
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        wc[j] = j < k ? w[(long long)ch * k + j] : 0.0f;
+        const int src = r0 - (k - 1) + j;  // before row r0: rows of x, or the ring's
+        hist[j] = j >= k - 1 ? 0.0f : src >= 0 ? x[(long long)src * c + ch] : ring[(long long)(src + k - 1) * c + ch];
     }
-    const float* wc = w + (long long)ch * k;
-    for (int r = r0; r < r1; ++r) {
-        o[(long long)r * cg] = conv_row(wc, hist, x[(long long)r * c + ch], k);
+    for (int r = r0; r < r1; r += CONV_BATCH) {
+        float xb[CONV_BATCH];
+#pragma unroll
+        for (int b = 0; b < CONV_BATCH; ++b) xb[b] = r + b < r1 ? x[(long long)(r + b) * c + ch] : 0.0f;
+#pragma unroll
+        for (int b = 0; b < CONV_BATCH; ++b) {
+            float acc = wc[0] * (k > 1 ? hist[0] : xb[b]);
+#pragma unroll
+            for (int j = 1; j < K; ++j)
+                if (j < k) acc = acc + wc[j] * (j < k - 1 ? hist[j] : xb[b]);
+            if (r + b < r1) o[(long long)(r + b) * cg] = acc * sigmoidf_stable(acc);
+#pragma unroll
+            for (int j = 0; j < K - 1; ++j)  // the window moves on by one row
+                if (j < k - 2) hist[j] = hist[j + 1];
+                else if (j == k - 2) hist[j] = xb[b];
+        }
     }
+}
+
+extern "C" __global__ void short_conv_spans(const float* __restrict__ x, const float* __restrict__ ring,
+                                            const float* __restrict__ w, float* __restrict__ out,
+                                            int t, int c, int k, int cg) {
+    after_predecessor();
+    if (k == 4) conv_spans<4>(x, ring, w, out, t, c, 4, cg);
+    else conv_spans<KDA_MAX_CONV>(x, ring, w, out, t, c, k, cg);
 }

@@ -162,21 +162,37 @@ def test_every_recurrence_kernel_does_the_same_arithmetic(dk, dv):
     assert k16[0].tobytes() == want[0].tobytes() and k16[1].tobytes() == want[1].tobytes()
 
 
-def test_a_prompts_short_conv_spans_do_the_row_walks_arithmetic():
+@pytest.mark.parametrize("k", [4, 1, 3, 7])
+def test_a_prompts_short_conv_spans_do_the_row_walks_arithmetic(k):
     """short_conv over a prompt's rows runs spans of rows in parallel (the ring only read, then
-    refilled from the last rows): outputs and ring as bytes equal the walk's kernel (short_conv)."""
+    refilled from the last rows): outputs and ring as bytes equal the walk's kernel (short_conv).
+    k = 4 takes the kernel's 4-tap unrolling, other k the KDA_MAX_CONV one; 150 rows end a span
+    inside a batch of rows."""
     from memra.kernels_cu.constants import KDA_CONV_LANES
     from memra.backend.cuda.runtime import BLOCK, i32, launch
 
-    rows, shared = _short_conv(101, 4)[0](np.random.default_rng(3), 150)
+    rows, shared = _short_conv(101, k)[0](np.random.default_rng(3), 150)
     x, w = cp.asarray(rows["x"]), cp.asarray(shared["w"])
     ring = cp.asarray(shared["ring"])
     got = KdaOps().short_conv(x, ring, w)
     walk_ring, want = cp.asarray(shared["ring"]), cp.empty_like(x)
     launch("kda", "short_conv", ((101 + KDA_CONV_LANES - 1) // KDA_CONV_LANES,), (BLOCK,),
-           (x, walk_ring, w, want, i32(150), i32(101), i32(4), i32(101), np.uint64(0), np.int64(0)))
+           (x, walk_ring, w, want, i32(150), i32(101), i32(k), i32(101), np.uint64(0), np.int64(0)))
     assert cp.asnumpy(got).tobytes() == cp.asnumpy(want).tobytes()
     assert cp.asnumpy(ring).tobytes() == cp.asnumpy(walk_ring).tobytes()
+
+
+@pytest.mark.parametrize("hk,dk,lower_bound", [(3, 32, -5.0), (3, 32, None), (2, 33, None)])
+def test_a_prompts_gate_rows_are_the_rows_gated_alone(hk, dk, lower_bound):
+    """A prompt's kda_gate makes four channels a thread where dk allows (dk = 33: one): each row's
+    bytes equal that row gated alone (a decode walk's launch, a channel a thread)."""
+    rows, shared = _kda_gate(hk, dk, lower_bound)[0](np.random.default_rng(dk), 40)
+    f, a_log, dt_bias = (cp.asarray(a) for a in (rows["f"], shared["a_log"], shared["dt_bias"]))
+    ops = KdaOps()
+    whole = cp.asnumpy(ops.kda_gate(f, a_log, dt_bias, lower_bound))
+    alone = np.concatenate([cp.asnumpy(ops.kda_gate(f[r:r + 1], a_log, dt_bias, lower_bound)) for r in range(40)])
+    assert whole.tobytes() == alone.tobytes()
+    assert not np.array_equal(whole, np.roll(alone, 1, axis=0))  # the rows differ: a shift is caught
 
 
 @pytest.mark.parametrize("t", [1, 7, 40])

@@ -14,11 +14,11 @@ import numpy as np
 import cupy as cp
 
 from memra.backend.cuda.kda_chunks import kda_shapes, prime_kda
-from memra.backend.cuda.prime import is_prime
-from memra.backend.cuda.runtime import BLOCK, blocks_of, check, device_input, f32, grid_1d, i32, launch
+from memra.backend.cuda.prime import is_prime, vector_width
+from memra.backend.cuda.runtime import BLOCK, blocks_of, check, columns_grid, device_input, f32, i32, launch
 from memra.backend.numpy_kda import kda_mark_count, kda_record_width
-from memra.kernels_cu.constants import (KDA_CHUNK_MAX_DK, KDA_COLS, KDA_CONV_LANES, KDA_CONV_SPAN, KDA_MARK_ROWS,
-                                        KDA_MAX_CONV, KDA_MAX_DK)
+from memra.kernels_cu.constants import (KDA_CHUNK_MAX_DK, KDA_COLS, KDA_CONV_LANES, KDA_CONV_SPAN, KDA_GATE_VECTOR,
+                                        KDA_MARK_ROWS, KDA_MAX_CONV, KDA_MAX_DK)
 
 
 def _rows(rows, t: int, shape: tuple, what: str):
@@ -64,9 +64,11 @@ class KdaOps:
         out = cp.empty((t, hk, dk), cp.float32)
         has_lb = lower_bound is not None
         if t:
-            launch("kda", "kda_gate", grid_1d(t * hk * dk), (BLOCK,),
+            # a prompt's rows: four channels a thread (one of a decode walk's rows: more blocks)
+            width = vector_width(dk, KDA_GATE_VECTOR, f, dt_bias, out) if is_prime(t) else 1
+            launch("kda", "kda_gate", columns_grid(t, hk * dk // width), (BLOCK,),
                    (f, a_log, dt_bias, out, i32(t), i32(hk), i32(dk), i32(has_lb),
-                    f32(lower_bound if has_lb else 0.0)))
+                    f32(lower_bound if has_lb else 0.0), i32(width)))
         return out
 
     def kda_recurrence(self, q, k, v, g, beta, state, marks=None, record=None):

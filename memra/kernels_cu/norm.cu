@@ -48,10 +48,20 @@ static __device__ float row_sum_squares(const float* __restrict__ x, int n, floa
     return block_sum(s, shm);
 }
 
+// block_sum's tree over a warp's played threads: steps of stride MEMRA_BLOCK / 2 .. 32 pair a
+// lane's own partials v[j] (thread lane + 32 j), the last five pair lanes (shfl_down hands lane l
+// the partial of l + o, as the tree's shm[l + o]). Every lane gets the total.
+static __device__ __forceinline__ float warp_tree(float (&v)[WARPS_PER_BLOCK]) {
+#pragma unroll
+    for (int s = WARPS_PER_BLOCK / 2; s > 0; s >>= 1)
+#pragma unroll
+        for (int j = 0; j < s; ++j) v[j] = v[j] + v[j + s];
+    for (int o = 16; o > 0; o >>= 1) v[0] = v[0] + __shfl_down_sync(0xffffffffu, v[0], o);
+    return __shfl_sync(0xffffffffu, v[0], 0);
+}
+
 // row_sum_squares of a row by one warp, the same bits: lane l plays threads l + 32j (j <
-// WARPS_PER_BLOCK), each folding its elements in order; block_sum's tree steps of stride
-// MEMRA_BLOCK / 2 .. 32 then pair a lane's own partials, the last five pair lanes (shfl_down
-// hands lane l the partial of l + o, as the tree's shm[l + o]). Rows up to NORM_WARP_ROW.
+// WARPS_PER_BLOCK), each folding its elements in order, then warp_tree. Rows up to NORM_WARP_ROW.
 static __device__ float warp_sum_squares(const float* __restrict__ x, int n) {
     const int lane = threadIdx.x % 32;
     float v[WARPS_PER_BLOCK];
@@ -65,13 +75,32 @@ static __device__ float warp_sum_squares(const float* __restrict__ x, int n) {
         }
         v[j] = s;
     }
-#pragma unroll
-    for (int s = WARPS_PER_BLOCK / 2; s > 0; s >>= 1)
-#pragma unroll
-        for (int j = 0; j < s; ++j) v[j] = v[j] + v[j + s];
-    for (int o = 16; o > 0; o >>= 1) v[0] = v[0] + __shfl_down_sync(0xffffffffu, v[0], o);
-    return __shfl_sync(0xffffffffu, v[0], 0);
+    return warp_tree(v);
 }
+
+// A prompt's short rows (n <= SHORT_ROW: a KDA head) by a warp: lane l's elements l + 32j load
+// once, before the sum (with whatever else the output reads), and stay in registers for the
+// output: the reload of the row after its sum left these norms at ~40% of the copy bandwidth.
+// The same sums as warp_sum_squares (one element a played thread).
+constexpr int SHORT_ROW = 32 * WARPS_PER_BLOCK;
+
+struct ShortRow {
+    float v[WARPS_PER_BLOCK];  // v[j]: element lane + 32 j, 0 past n
+    int lane, n;
+
+    __device__ __forceinline__ ShortRow(const float* __restrict__ x, int n_) : lane(threadIdx.x % 32), n(n_) {
+#pragma unroll
+        for (int j = 0; j < WARPS_PER_BLOCK; ++j) v[j] = at(j) ? x[lane + 32 * j] : 0.0f;
+    }
+    __device__ __forceinline__ bool at(int j) const { return lane + 32 * j < n; }
+
+    __device__ __forceinline__ float sum_squares() const {
+        float s[WARPS_PER_BLOCK];
+#pragma unroll
+        for (int j = 0; j < WARPS_PER_BLOCK; ++j) s[j] = at(j) ? 0.0f + v[j] * v[j] : 0.0f;
+        return warp_tree(s);
+    }
+};
 
 // The row's sum of squares, by its block or its warp.
 template <bool WARP>
@@ -123,6 +152,20 @@ static __device__ void gated_rmsnorm_row(const float* __restrict__ o, const floa
     const float* orow = o + at.row * n;
     const float* grow = gate + at.row * n;
     float* yr = y + at.row * n;
+    if (WARP && n <= SHORT_ROW) {
+        const ShortRow x(orow, n);
+        float g[WARPS_PER_BLOCK], wv[WARPS_PER_BLOCK];
+#pragma unroll
+        for (int j = 0; j < WARPS_PER_BLOCK; ++j) {
+            g[j] = x.at(j) ? grow[x.lane + 32 * j] : 0.0f;
+            wv[j] = x.at(j) ? w[x.lane + 32 * j] : 0.0f;
+        }
+        const float inv = 1.0f / sqrtf(x.sum_squares() / (float)n + eps);  // rms_scale
+#pragma unroll
+        for (int j = 0; j < WARPS_PER_BLOCK; ++j)
+            if (x.at(j)) yr[x.lane + 32 * j] = ((x.v[j] * inv) * wv[j]) * sigmoidf_exact(g[j]);
+        return;
+    }
     const float inv = rms_scale<WARP>(orow, n, eps, shm);
 #pragma unroll 4
     for (int k = at.first; k < n; k += NormRow<WARP>::STEP)
@@ -137,6 +180,14 @@ static __device__ void l2norm_row(const float* __restrict__ x, float* __restrict
     if (at.row < 0) return;
     const float* xr = x + at.row * n;
     float* yr = y + at.row * n;
+    if (WARP && n <= SHORT_ROW) {
+        const ShortRow row(xr, n);
+        const float den = sqrtf(row.sum_squares() + eps);
+#pragma unroll
+        for (int j = 0; j < WARPS_PER_BLOCK; ++j)
+            if (row.at(j)) yr[row.lane + 32 * j] = (row.v[j] / den) * scale;
+        return;
+    }
     const float den = sqrtf(sum_squares<WARP>(xr, n, shm) + eps);
     for (int k = at.first; k < n; k += NormRow<WARP>::STEP) yr[k] = (xr[k] / den) * scale;
 }

@@ -215,11 +215,12 @@ def test_a_warp_a_row_gives_the_blocks_bits(n):
         assert block.tobytes() == warp.tobytes(), f"{kernel} n={n}"
 
 
-def test_the_warp_paths_inputs_feel_the_summation_order():
+@pytest.mark.parametrize("n", [128, 1000])
+def test_the_warp_paths_inputs_feel_the_summation_order(n):
     """Red arm of the test above: on the same kind of rows, another order of the same sum of
     squares (numpy's pairwise one) moves the bits of some row's norm, so equal bits say the
-    warp plays the block's order, not that any order would do."""
-    n = 1000
+    warp plays the block's order, not that any order would do (a KDA head's short rows, and
+    longer ones)."""
     x = cp.asarray(normal(np.random.default_rng(n), (13, n)))
     block, _ = _both_paths("l2norm_rows", n, lambda out: (x, out, np.int32(n), F32(1e-6), F32(1)))
     host = cp.asnumpy(x)

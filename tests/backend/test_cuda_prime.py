@@ -94,7 +94,7 @@ def test_pieces_are_the_same_bits_one_or_four_values_a_thread():
     x = cp.asarray(normal(np.random.default_rng(4), (37, 264)))
     shifted = cp.empty(x.size + 1, cp.float32)[1:].reshape(x.shape)
     shifted[...] = x
-    assert prime._width(264, 4, x) == 4 and prime._width(264, 4, shifted) == 1
+    assert prime.vector_width(264, 4, x) == 4 and prime.vector_width(264, 4, shifted) == 1
     rows = cp.asarray(np.array([36, 0, 5, 5], np.int64))
     assert cp.array_equal(prime.pieces(x), prime.pieces(shifted))
     assert cp.array_equal(prime.pieces(x, rows), prime.pieces(shifted, rows))

@@ -54,6 +54,28 @@ __device__ __forceinline__ void for_column_rows(long long m, int d, F f) {
     for (long long r = blockIdx.y; r < m; r += gridDim.y) f(r, c);
 }
 
+// V adjacent values of p (V = 4: one 16-byte access, p 16-byte aligned; other V one float each).
+template <int V>
+__device__ __forceinline__ void load_values(const float* p, float (&v)[V]) {
+    if constexpr (V == 4) {
+        const float4 a = *reinterpret_cast<const float4*>(p);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) v[e] = p[e];
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void store_values(float* p, const float (&v)[V]) {
+    if constexpr (V == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) p[e] = v[e];
+    }
+}
+
 // Fixed-shape tree sum over MEMRA_BLOCK partials held in shared memory; returns the total to all.
 __device__ __forceinline__ float block_sum(float v, float* shm) {
     shm[threadIdx.x] = v;

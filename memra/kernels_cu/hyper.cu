@@ -178,40 +178,21 @@ extern "C" __global__ void hc_collapse(const float* __restrict__ streams, const 
     });
 }
 
-// W consecutive channels of a row: one 16-byte access when W = HC_VECTOR (the host checks d and
-// the pointers), else one float. Zeros for a missing stream.
-template <int W>
-static __device__ __forceinline__ void load_channels(const float* p, bool present, float (&v)[W]) {
-    if constexpr (W == 4) {
-        if (present) {
-            const float4 a = *reinterpret_cast<const float4*>(p);
-            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-            return;
-        }
-    }
-#pragma unroll
-    for (int e = 0; e < W; ++e) v[e] = present ? p[e] : 0.0f;
-}
-
-template <int W>
-static __device__ __forceinline__ void store_channels(float* p, const float (&v)[W]) {
-    if constexpr (W == 4) {
-        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-    } else {
-#pragma unroll
-        for (int e = 0; e < W; ++e) p[e] = v[e];
-    }
-}
-
-// Channels k .. k + W - 1 of every stream of row r: xs[i][e] = X[r, i, k + e].
+// Channels k .. k + W - 1 of every stream of row r: xs[i][e] = X[r, i, k + e], zeros past n
+// (W = HC_VECTOR: 16-byte loads; the host checks d and the pointers).
 template <int W>
 static __device__ __forceinline__ void load_streams(const float* streams, long long r, int k, int n, int d,
                                                     float (&xs)[HC_MAX_N][W]) {
 #pragma unroll
-    for (int i = 0; i < HC_MAX_N; ++i) load_channels<W>(streams + (r * n + i) * d + k, i < n, xs[i]);
+    for (int i = 0; i < HC_MAX_N; ++i) {
+        if (i < n) {
+            load_values<W>(streams + (r * n + i) * d + k, xs[i]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < W; ++e) xs[i][e] = 0.0f;
+        }
+    }
 }
-
-static_assert(HC_VECTOR == 4, "load_channels and store_channels move a float4");
 
 // hc_collapse with the pre weights made from hc_weights' partials part [t, chunks, outs + 1]
 // (the same bits as hc_weights' pre): the site's collapse need not wait for its Sinkhorn mix,
@@ -242,13 +223,13 @@ static __device__ void collapse_site(const float* __restrict__ streams, const fl
                 for (int i = 1; i < HC_MAX_N; ++i)
                     if (i < n) acc[e] = acc[e] + pre[i] * xs[i][e];
             }
-            store_channels<W>(out + r * d + k, acc);
+            store_values<W>(out + r * d + k, acc);
         }
         __syncthreads();  // every thread has read pre before the next row's
     }
 }
 
-// width 1, or HC_VECTOR for a prompt's rows (HyperOps._width): the same sums per channel.
+// width 1, or HC_VECTOR for a prompt's rows (prime.prompt_width): the same sums per channel.
 extern "C" __global__ void hc_collapse_site(const float* __restrict__ streams, const float* __restrict__ part,
                                             const float* __restrict__ base, const float* __restrict__ scale,
                                             float* __restrict__ out, int t, int n, int d, int chunks,
@@ -269,7 +250,7 @@ static __device__ __forceinline__ void combine_channels(const float* streams, co
                                                         int n, int d) {
     float xs[HC_MAX_N][W], fk[W];
     load_streams<W>(streams, r, k, n, d, xs);
-    load_channels<W>(f + r * d + k, true, fk);
+    load_values<W>(f + r * d + k, fk);
     for (int b = 0; b < n; ++b) {
         const float* c = comb + r * n * n + b;
         const float pb = post[r * n + b];
@@ -282,7 +263,7 @@ static __device__ __forceinline__ void combine_channels(const float* streams, co
                 if (a < n) acc = acc + c[a * n] * xs[a][e];
             y[e] = pb * fk[e] + acc;
         }
-        store_channels<W>(out + (r * n + b) * d + k, y);
+        store_values<W>(out + (r * n + b) * d + k, y);
     }
 }
 

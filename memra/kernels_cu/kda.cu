@@ -7,23 +7,27 @@
 #include "common.cuh"
 
 // The wrapper asserts conv taps K <= KDA_MAX_CONV and key dim dk <= KDA_MAX_DK.
-// One row of a channel's conv: the K taps in order, tap j meeting input(j) (tap K-1 the row's
-// own input, tap 0 the oldest), then SiLU. Both short conv kernels take it, so the same bits.
-template <typename Input>
-static __device__ __forceinline__ float conv_silu(const float* wc, int k, Input input) {
-    float acc = wc[0] * input(0);
-    for (int j = 1; j < k; ++j) acc = acc + wc[j] * input(j);
-    return acc * sigmoidf_stable(acc);
+// for j = lo .. k - 1 in order: f(j). N = 0: a loop; N > 0: unrolled to N (k <= N) and
+// predicated on k, so the arrays f indexes stay in registers.
+template <int N, typename F>
+static __device__ __forceinline__ void each_tap(int lo, int k, F f) {
+    if constexpr (N > 0) {
+#pragma unroll
+        for (int j = lo; j < N; ++j)
+            if (j < k) f(j);
+    } else {
+        for (int j = lo; j < k; ++j) f(j);
+    }
 }
 
-// conv_silu of row input xr after hist (the K-1 inputs before, oldest first), which moves on by one.
-static __device__ __forceinline__ float conv_row(const float* wc, float* hist, float xr, int k) {
-    const float y = conv_silu(wc, k, [&](int j) { return j < k - 1 ? hist[j] : xr; });
-    if (k > 1) {
-        for (int j = 0; j < k - 2; ++j) hist[j] = hist[j + 1];
-        hist[k - 2] = xr;
-    }
-    return y;
+// One row of a channel's conv: the K taps in order, tap j meeting input(j) (tap K-1 the row's
+// own input, tap 0 the oldest), then SiLU. Every short conv kernel takes it, so the same bits
+// (N: each_tap's unrolling).
+template <int N = 0, typename Input>
+static __device__ __forceinline__ float conv_silu(const float* wc, int k, Input input) {
+    float acc = wc[0] * input(0);
+    each_tap<N>(1, k, [&](int j) { acc = acc + wc[j] * input(j); });
+    return acc * sigmoidf_stable(acc);
 }
 
 // x [t, C]; ring [K-1, C] (oldest first, advanced in place); w [C, K], tap K-1 meets the
@@ -80,30 +84,35 @@ static __device__ __forceinline__ float kda_gate_value(float f, float a_log, flo
     return -rate * soft;
 }
 
+// Channels c .. c + W - 1 of row r (W divides dk: they share a head).
+template <int W>
+static __device__ __forceinline__ void gate_channels(const float* f, const float* a_log, const float* dt_bias,
+                                                     float* out, long long r, int c, int hk, int dk, int has_lb,
+                                                     float lb) {
+    const long long idx = r * hk * dk + c;
+    float fv[W], bv[W], g[W];
+    load_values<W>(f + idx, fv);
+    load_values<W>(dt_bias + c, bv);
+    const float al = a_log[c / dk];
+#pragma unroll
+    for (int e = 0; e < W; ++e) g[e] = kda_gate_value(fv[e], al, bv[e], has_lb, lb);
+    store_values<W>(out + idx, g);
+}
+
 // Grid runtime.columns_grid(t, Hk dk / width): a thread makes `width` channels of a row (1, or
 // KDA_GATE_VECTOR for a prompt's rows: a float4 each, more bytes in flight a thread).
 extern "C" __global__ void kda_gate(const float* __restrict__ f, const float* __restrict__ a_log,
                                     const float* __restrict__ dt_bias, float* __restrict__ out,
                                     int t, int hk, int dk, int has_lb, float lb, int width) {
     after_predecessor();
-    if (width == KDA_GATE_VECTOR) {
-        static_assert(KDA_GATE_VECTOR == 4, "a float4 a thread");
-        for_column_rows(t, hk * dk / 4, [&](long long r, int col) {
-            const int c = col * 4;  // dk % 4 == 0: the four channels share a head
-            const long long idx = r * hk * dk + c;
-            const float4 fv = *reinterpret_cast<const float4*>(f + idx);
-            const float4 bv = *reinterpret_cast<const float4*>(dt_bias + c);
-            const float al = a_log[c / dk];
-            *reinterpret_cast<float4*>(out + idx) = make_float4(
-                kda_gate_value(fv.x, al, bv.x, has_lb, lb), kda_gate_value(fv.y, al, bv.y, has_lb, lb),
-                kda_gate_value(fv.z, al, bv.z, has_lb, lb), kda_gate_value(fv.w, al, bv.w, has_lb, lb));
+    if (width == KDA_GATE_VECTOR)
+        for_column_rows(t, hk * dk / KDA_GATE_VECTOR, [&](long long r, int col) {
+            gate_channels<KDA_GATE_VECTOR>(f, a_log, dt_bias, out, r, col * KDA_GATE_VECTOR, hk, dk, has_lb, lb);
         });
-        return;
-    }
-    for_column_rows(t, hk * dk, [&](long long r, int col) {
-        const long long idx = r * hk * dk + col;
-        out[idx] = kda_gate_value(f[idx], a_log[col / dk], dt_bias[col], has_lb, lb);
-    });
+    else
+        for_column_rows(t, hk * dk, [&](long long r, int c) {
+            gate_channels<1>(f, a_log, dt_bias, out, r, c, hk, dk, has_lb, lb);
+        });
 }
 
 // Delta rule over the t rows in order, per head h:
@@ -323,11 +332,11 @@ KDA_RECURRENCE(kda_recurrence_k16, 16, VERIFY_CAP, 4)
 KDA_RECURRENCE(kda_recurrence_k32, 32, 8, 1)   // up to KDA_MAX_DK; shared memory holds 8 rows of 256 keys
 
 // short_conv for a prompt (prime class): the rows split into spans of KDA_CONV_SPAN, a thread
-// per (channel, span), each output's taps in the same order as conv_silu (so the same bits). The
-// taps and the K-1 inputs before a row stay in registers (loops unrolled to K and predicated on
-// k <= K; k == K for the checkpoints' 4 taps), and CONV_BATCH rows' inputs load before any is
-// used: one load in flight a thread, a row at a time, left the kernel latency-bound at ~40% of
-// the copy bandwidth. The ring is only read: the wrapper copies the last K-1 rows of x into it.
+// per (channel, span), each output conv_silu's (so the same bits). The taps and the K-1 inputs
+// before a row stay in registers (loops unrolled to K and predicated on k <= K; k == K for the
+// checkpoints' 4 taps), and CONV_BATCH rows' inputs load before any is used: one load in flight
+// a thread, a row at a time, left the kernel latency-bound at ~40% of the copy bandwidth. The
+// ring is only read: the wrapper copies the last K-1 rows of x into it.
 constexpr int CONV_BATCH = 8;
 
 template <int K>
@@ -351,11 +360,8 @@ static __device__ void conv_spans(const float* __restrict__ x, const float* __re
         for (int b = 0; b < CONV_BATCH; ++b) xb[b] = r + b < r1 ? x[(long long)(r + b) * c + ch] : 0.0f;
 #pragma unroll
         for (int b = 0; b < CONV_BATCH; ++b) {
-            float acc = wc[0] * (k > 1 ? hist[0] : xb[b]);
-#pragma unroll
-            for (int j = 1; j < K; ++j)
-                if (j < k) acc = acc + wc[j] * (j < k - 1 ? hist[j] : xb[b]);
-            if (r + b < r1) o[(long long)(r + b) * cg] = acc * sigmoidf_stable(acc);
+            if (r + b < r1)
+                o[(long long)(r + b) * cg] = conv_silu<K>(wc, k, [&](int j) { return j < k - 1 ? hist[j] : xb[b]; });
 #pragma unroll
             for (int j = 0; j < K - 1; ++j)  // the window moves on by one row
                 if (j < k - 2) hist[j] = hist[j + 1];

@@ -108,11 +108,14 @@ static __device__ __forceinline__ float sum_squares(const float* x, int n, float
     return WARP ? warp_sum_squares(x, n) : row_sum_squares(x, n, shm);
 }
 
-// 1 / sqrt(mean(x^2) + eps), as numpy_ref's _rmsnorm_row computes it.
+// 1 / sqrt(mean(x^2) + eps) from the row's sum of squares, as numpy_ref's _rmsnorm_row computes it.
+static __device__ __forceinline__ float inv_rms(float sum_squares, int n, float eps) {
+    return 1.0f / sqrtf(sum_squares / (float)n + eps);
+}
+
 template <bool WARP>
 static __device__ float rms_scale(const float* x, int n, float eps, float* shm) {
-    const float mean = sum_squares<WARP>(x, n, shm) / (float)n;
-    return 1.0f / sqrtf(mean + eps);
+    return inv_rms(sum_squares<WARP>(x, n, shm), n, eps);
 }
 
 // w may be null (unweighted RMSNorm).
@@ -160,7 +163,7 @@ static __device__ void gated_rmsnorm_row(const float* __restrict__ o, const floa
             g[j] = x.at(j) ? grow[x.lane + 32 * j] : 0.0f;
             wv[j] = x.at(j) ? w[x.lane + 32 * j] : 0.0f;
         }
-        const float inv = 1.0f / sqrtf(x.sum_squares() / (float)n + eps);  // rms_scale
+        const float inv = inv_rms(x.sum_squares(), n, eps);
 #pragma unroll
         for (int j = 0; j < WARPS_PER_BLOCK; ++j)
             if (x.at(j)) yr[x.lane + 32 * j] = ((x.v[j] * inv) * wv[j]) * sigmoidf_exact(g[j]);

@@ -164,25 +164,6 @@ extern "C" __global__ void selection_mask(const int* positions, unsigned char* k
     }
 }
 
-// V values of p (V = 4: one 16-byte access, p 16-byte aligned).
-template <int V>
-static __device__ __forceinline__ void load_values(const float* p, float (&v)[V]) {
-    if constexpr (V == 4) {
-        const float4 a = *reinterpret_cast<const float4*>(p);
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-    } else {
-        v[0] = p[0];
-    }
-}
-
-template <int V>
-static __device__ __forceinline__ void store_values(float* p, const float (&v)[V]) {
-    if constexpr (V == 4)
-        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-    else
-        p[0] = v[0];
-}
-
 // put_piece_copies of V adjacent values (V = 4: 8-byte stores, p 8-byte aligned).
 template <int V>
 static __device__ __forceinline__ void put_piece_copies_v(const float (&a)[V], unsigned short* p, int copies,

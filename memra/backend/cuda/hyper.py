@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import cupy as cp
 
-from memra.backend.cuda.prime import is_prime, prime_hc_partials, vector_width
+from memra.backend.cuda.prime import is_prime, prime_hc_partials, prompt_width
 from memra.backend.cuda.runtime import BLOCK, columns_grid, device_input, f32, i32, launch
 from memra.backend.cuda.streams import fork, join
 from memra.kernels_cu.constants import HC_CHUNK, HC_MAX_N, HC_ROWS, HC_SLOTS, HC_VECTOR
@@ -44,7 +44,7 @@ class HyperOps:
             _mix(part, base, scale, pre, post, comb, d, rms_eps, hc_eps, iters)
         try:
             collapsed = cp.empty((t, d), cp.float32)
-            width = _width(t, d, streams, collapsed)
+            width = prompt_width(t, d, HC_VECTOR, streams, collapsed)
             launch("hyper", "hc_collapse_site", columns_grid(t, d // width), (BLOCK,),
                    (streams, part, base, scale, collapsed, i32(t), i32(n), i32(d), i32(part.shape[1]),
                     f32(rms_eps), f32(hc_eps), i32(width)))
@@ -73,7 +73,7 @@ class HyperOps:
             f"hc_combine: f {f.shape}, post {post.shape}, comb {comb.shape} for streams {streams.shape}")
         out = cp.empty((t, n, d), cp.float32)
         if t:
-            width = _width(t, d, streams, f, out)
+            width = prompt_width(t, d, HC_VECTOR, streams, f, out)
             launch("hyper", "hc_combine", columns_grid(t, d // width), (BLOCK,),
                    (streams, f, post, comb, out, i32(t), i32(n), i32(d), i32(width)))
         return out
@@ -96,14 +96,6 @@ def _site_inputs(streams, fn, base, scale, iters: int):
     assert fn.shape == ((2 + n) * n, n * d), f"hc_weights: fn {fn.shape}, n={n}, D={d}"
     assert base.shape == ((2 + n) * n,) and scale.shape == (3,), (base.shape, scale.shape)
     return streams, fn, base, scale, (t, n, d)
-
-
-def _width(t: int, d: int, *arrays) -> int:
-    """Channels a thread of hc_collapse_site / hc_combine: HC_VECTOR for a prompt's rows (a
-    float4 each: at 4096 rows, a float a thread left them latency-bound, at a third of the copy
-    bandwidth), one for a decode walk's few rows (more blocks for one row). The sums per channel
-    do not change, so neither do the bits."""
-    return vector_width(d, HC_VECTOR, *arrays) if is_prime(t) else 1
 
 
 def _site_weights(t: int, n: int):

@@ -14,7 +14,7 @@ import numpy as np
 import cupy as cp
 
 from memra.backend.cuda.kda_chunks import kda_shapes, prime_kda
-from memra.backend.cuda.prime import is_prime, vector_width
+from memra.backend.cuda.prime import is_prime, prompt_width
 from memra.backend.cuda.runtime import BLOCK, blocks_of, check, columns_grid, device_input, f32, i32, launch
 from memra.backend.numpy_kda import kda_mark_count, kda_record_width
 from memra.kernels_cu.constants import (KDA_CHUNK_MAX_DK, KDA_COLS, KDA_CONV_LANES, KDA_CONV_SPAN, KDA_GATE_VECTOR,
@@ -64,8 +64,7 @@ class KdaOps:
         out = cp.empty((t, hk, dk), cp.float32)
         has_lb = lower_bound is not None
         if t:
-            # a prompt's rows: four channels a thread (one of a decode walk's rows: more blocks)
-            width = vector_width(dk, KDA_GATE_VECTOR, f, dt_bias, out) if is_prime(t) else 1
+            width = prompt_width(t, dk, KDA_GATE_VECTOR, f, dt_bias, out)
             launch("kda", "kda_gate", columns_grid(t, hk * dk // width), (BLOCK,),
                    (f, a_log, dt_bias, out, i32(t), i32(hk), i32(dk), i32(has_lb),
                     f32(lower_bound if has_lb else 0.0), i32(width)))

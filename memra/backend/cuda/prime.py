@@ -74,6 +74,12 @@ def vector_width(n: int, vector: int, *arrays) -> int:
     return vector if n % vector == 0 and aligned else 1
 
 
+def prompt_width(t: int, n: int, vector: int, *arrays) -> int:
+    """vector_width for a prompt's t rows (more values a thread: more bytes in flight), one for a
+    decode walk's few rows (more blocks for a row). The sums per value do not change, nor the bits."""
+    return vector_width(n, vector, *arrays) if is_prime(t) else 1
+
+
 def pieces(x, rows=None):
     """[m, PIECES, d] bf16 bits of x [t, d] float32 (or of x[rows], rows int64 [m]): row i's
     hi, mid and lo side by side, so a GEMM can take one piece (row stride 3d) or all three."""

@@ -182,6 +182,42 @@ static __device__ __forceinline__ void put_piece_copies_v(const float (&a)[V], u
     }
 }
 
+// The prompt softmax's block reductions: each warp by a xor butterfly (every lane ends with the
+// same bits), then the warps' results in order: two barriers where block_max / block_sum's tree
+// takes nine. The max is exact in any order; the sum is prime class's own order.
+static __device__ __forceinline__ float warps_max(float v, float* shm) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (threadIdx.x % 32 == 0) shm[threadIdx.x / 32] = v;
+    __syncthreads();
+    float m = shm[0];
+#pragma unroll
+    for (int w = 1; w < WARPS_PER_BLOCK; ++w) m = fmaxf(m, shm[w]);
+    __syncthreads();  // read by every thread before shm's next use
+    return m;
+}
+
+static __device__ __forceinline__ float warps_sum(float v, float* shm) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x % 32 == 0) shm[threadIdx.x / 32] = v;
+    __syncthreads();
+    float total = shm[0];
+#pragma unroll
+    for (int w = 1; w < WARPS_PER_BLOCK; ++w) total += shm[w];
+    __syncthreads();
+    return total;
+}
+
+// keep's V bytes at j (V = 4: one 4-byte load; ctx % 4 == 0 keeps every row's start aligned).
+template <int V>
+static __device__ __forceinline__ void load_keep(const unsigned char* p, bool (&k)[V]) {
+    if constexpr (V == 4) {
+        const uchar4 b = *reinterpret_cast<const uchar4*>(p);
+        k[0] = b.x, k[1] = b.y, k[2] = b.z, k[3] = b.w;
+    } else {
+        k[0] = p[0];
+    }
+}
+
 // One (row, head) of masked_softmax_pieces, V adjacent columns a thread at a time.
 template <int V>
 static __device__ __forceinline__ void softmax_row_pieces(float* row, const unsigned char* kp, unsigned short* out,
@@ -189,9 +225,11 @@ static __device__ __forceinline__ void softmax_row_pieces(float* row, const unsi
     float* e = cache != nullptr ? cache : row;
     // scale * s where listed, -inf (weight 0) elsewhere
     auto scaled = [&](int j, float (&a)[V]) {
+        bool kept[V];
         load_values<V>(row + j, a);
+        load_keep<V>(kp + j, kept);
 #pragma unroll
-        for (int i = 0; i < V; ++i) a[i] = kp[j + i] ? a[i] * scale : neg_inf();
+        for (int i = 0; i < V; ++i) a[i] = kept[i] ? a[i] * scale : neg_inf();
     };
     float mx = neg_inf();
     for (int j = V * threadIdx.x; j < ctx; j += V * MEMRA_BLOCK) {
@@ -201,7 +239,7 @@ static __device__ __forceinline__ void softmax_row_pieces(float* row, const unsi
 #pragma unroll
         for (int i = 0; i < V; ++i) mx = fmaxf(mx, a[i]);
     }
-    mx = block_max(mx, shm);
+    mx = warps_max(mx, shm);
     float sum = 0.0f;
     for (int j = V * threadIdx.x; j < ctx; j += V * MEMRA_BLOCK) {
         float a[V];
@@ -216,7 +254,7 @@ static __device__ __forceinline__ void softmax_row_pieces(float* row, const unsi
         }
         store_values<V>(e + j, a);
     }
-    sum = block_sum(sum, shm);
+    sum = warps_sum(sum, shm);
     // a row that lists no position (never one of a prompt: it sees itself) attends nothing
     for (int j = V * threadIdx.x; j < ctx; j += V * MEMRA_BLOCK) {
         float a[V];

@@ -174,8 +174,9 @@ HEAD_PROJECTIONS_BF16(1) HEAD_PROJECTIONS_BF16(2)
 // FP8 weights (e4m3 bytes, scale [ceil(out / FP8_BLOCK), ceil(in / FP8_BLOCK)]): the bf16 tile
 // shape with exact_mma_fp8.cuh's blockwise tile, one byte read per weight. k0: the first in-feature
 // of a split-K slice (a multiple of FP8_BLOCK), so the slice's blocks keep their scale columns.
+// ONE: one row and whole tiles (mma_tile_fp8's ONE; the host checks, dense.py's _group_kernel).
 static_assert(SPLIT_KC % FP8_BLOCK == 0, "a split-K slice is whole FP8 blocks");
-template <int NT>
+template <int NT, bool ONE = false>
 static __device__ void project_fp8(const float* x, const unsigned char* w, const float* scale, float* y,
                                    int t, int n_in, int n_out, long long k0, long long w_stride, int tile) {
     constexpr int J = BF16_OUTS / 16;
@@ -197,7 +198,7 @@ static __device__ void project_fp8(const float* x, const unsigned char* w, const
 #pragma unroll
         for (int n = 0; n < NT; ++n)
             xrow[n] = 8 * n + g < nr ? x + (r0 + 8 * n + g) * w_stride + k0 : nullptr;
-        mma_tile_fp8<J, NT>(wrow, srow, xrow, n_in, w_aligned, x_aligned, sh);
+        mma_tile_fp8<J, NT, ONE>(wrow, srow, xrow, n_in, w_aligned, x_aligned, sh);
         for (int i = threadIdx.x; i < BF16_OUTS * nr; i += MMA_THREADS) {
             const int m = i % BF16_OUTS, n = i / BF16_OUTS;
             if (o0 + m < n_out) y[(r0 + n) * (long long)n_out + o0 + m] = sh.tile[m][n];
@@ -301,6 +302,20 @@ linear_group_bf16_one(const float* x, const long long* table, int members, float
                     const unsigned short* w = reinterpret_cast<const unsigned short*>(f[G_W]);
                     project_bf16<1, false, true>(x + k0, w + k0, out, t, len, (int)f[G_OUT], n_in, f[G_OUT], n_in,
                                                  tile);
+                });
+}
+
+// linear_group_fp8_n1 for one row of whole tiles (every member's rows 16-byte aligned, n_in whole
+// FP8 blocks): only the staged one-row path, so fewer registers and more blocks an SM; the same bits.
+extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3)
+linear_group_fp8_one(const float* x, const long long* table, int members, float* y, float* part, int* counters,
+                     int t, int n_in) {
+    after_predecessor();
+    group_block(table, members, y, part, counters, t, n_in,
+                [&](const long long* f, float* out, int len, long long k0, int tile) {
+                    project_fp8<1, true>(x, reinterpret_cast<const unsigned char*>(f[G_W]),
+                                         reinterpret_cast<const float*>(f[G_SCALE]), out, t, len, (int)f[G_OUT], k0,
+                                         n_in, tile);
                 });
 }
 

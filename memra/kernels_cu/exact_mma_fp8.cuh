@@ -235,14 +235,17 @@ static __device__ __forceinline__ void present_rows(const T* const (&in)[N], con
 // One tile: tile[m][n] = sum over blocks b of scale_j[b] * (w_m . x_n over block b) for the
 // block's 16 J weight rows m and up to 8 NT activation rows n. wrow as in mma_tile (e4m3 bytes),
 // srow[j] the scale row of weight rows 16 j .. 16 j + 15 (scale of block b at srow[j][b]).
+// ONE: the caller vouches that the tile is whole and has one activation row (lane 0's), so only
+// the staged path is compiled (a kernel of its own keeps the registers of that path alone).
 // Call with all MMA_THREADS threads of the block (it synchronises); tile is ready when it returns.
-template <int J, int NT>
+template <int J, int NT, bool ONE = false>
 static __device__ void mma_tile_fp8(const unsigned char* const (&wrow)[J][2], const float* const (&srow)[J],
                                     const float* const (&xrow)[NT], int n_in, bool w_aligned, bool x_aligned,
                                     MmaTile<J, NT>& sh) {
+    static_assert(!ONE || NT == 1, "a one-row tile has one activation column");
     float acc[J][NT][4];
     mma_zero<J, NT>(acc);
-    if (w_aligned && x_aligned && n_in % FP8_BLOCK == 0) {
+    if (ONE || (w_aligned && x_aligned && n_in % FP8_BLOCK == 0)) {
         const unsigned char* w[J][2];
         const float* s[J];
         const float* x[NT];
@@ -251,14 +254,14 @@ static __device__ void mma_tile_fp8(const unsigned char* const (&wrow)[J][2], co
         for (int j = 0; j < J; ++j) present_rows(wrow[j], w0, w[j]);
         present_rows(srow, srow[0], s);
         present_rows(xrow, lane0_row(xrow[0]), x);
+        __shared__ __align__(16) Fp8Stage stage[MMA_SPLIT];
         const int g = threadIdx.x % MMA_WARP / 4;
-        if (NT == 1 && __all_sync(0xffffffffu, g == 0 || xrow[0] == nullptr)) {  // the same in every warp
-            __shared__ __align__(16) Fp8Stage stage[MMA_SPLIT];
+        if (ONE || (NT == 1 && __all_sync(0xffffffffu, g == 0 || xrow[0] == nullptr))) {  // the same in every warp
             mma_steps_fp8<J, NT, true, NT == 1>(w, s, x, n_in, true, true, acc, &stage[threadIdx.x / MMA_WARP]);
-        } else {
+        } else if constexpr (!ONE) {
             mma_steps_fp8<J, NT, true>(w, s, x, n_in, true, true, acc);
         }
-    } else {
+    } else if constexpr (!ONE) {
         mma_steps_fp8<J, NT, false>(wrow, srow, xrow, n_in, w_aligned, x_aligned, acc);
     }
     mma_tile_reduce<J, NT>(acc, sh);

@@ -75,9 +75,11 @@ def test_the_one_row_tile_gives_the_checked_tiles_bits(seed):
 
 
 def test_a_decode_row_runs_the_one_row_kernel():
-    assert dense._group_kernel("bf16", 1) == "linear_group_bf16_one"
-    assert dense._group_kernel("bf16", 2) == "linear_group_bf16_n1"
-    assert dense._group_kernel("fp8", 1) == "linear_group_fp8_n1"
+    assert dense._group_kernel("bf16", 1, False) == "linear_group_bf16_one"
+    assert dense._group_kernel("bf16", 2, True) == "linear_group_bf16_n1"
+    assert dense._group_kernel("fp8", 1, True) == "linear_group_fp8_one"  # whole tiles only
+    assert dense._group_kernel("fp8", 1, False) == "linear_group_fp8_n1"
+    assert dense._group_kernel("fp8", 2, True) == "linear_group_fp8_n1"
 
 
 @pytest.mark.parametrize("exact, broken", [

@@ -33,7 +33,7 @@ from memra.backend.cuda.prime import is_prime, pieces, prime_head_linear, prime_
 from memra.backend.cuda.runtime import BLOCK, MAX_GRID, check, f32, i32, launch, position, weight_kind
 from memra.backend.cuda.streams import on_side
 from memra.errors import InputError
-from memra.kernels_cu.constants import BF16_OUTS, OUTS_PER_WARP, SPLIT_KC, WARPS_PER_BLOCK
+from memra.kernels_cu.constants import BF16_OUTS, FP8_BLOCK, OUTS_PER_WARP, SPLIT_KC, WARPS_PER_BLOCK
 from memra.limits import VERIFY_CAP
 
 ROW_TEMPLATES = sorted(OUTS_PER_WARP)  # the float32 projection kernels linear_f32_t<T>
@@ -149,17 +149,25 @@ def _project(x, ws, kind: str) -> list:
     outs = [y[a:b].reshape(t, n) for a, b, n in zip(starts[:-1], starts[1:], group.n_outs)]
     if t and group.blocks:
         part = cp.empty(max(t * group.parts, 1), cp.float32)
-        launch("dense", _group_kernel(kind, t), (group.blocks,), (BLOCK,),
+        launch("dense", _group_kernel(kind, t, _whole(x, members)), (group.blocks,), (BLOCK,),
                (x, group.table, i32(len(ws)), y, part, _counters(), i32(t), i32(n_in)))
     return outs
 
 
-def _group_kernel(kind: str, t: int) -> str:
-    """The projection group kernel of t rows: one row has its own bf16 kernel (dense.cu's
-    linear_group_bf16_one); the bits are the same whichever runs."""
-    if kind == "bf16" and t == 1:
-        return "linear_group_bf16_one"
+def _group_kernel(kind: str, t: int, whole: bool) -> str:
+    """The projection group kernel of t rows. One row has its own kernels (dense.cu's
+    linear_group_bf16_one, and linear_group_fp8_one where every tile is whole); the bits are the
+    same whichever runs."""
+    if t == 1 and (kind == "bf16" or whole):
+        return f"linear_group_{kind}_one"
     return f"linear_group_{kind}_n{1 if t <= 8 else 2}"
+
+
+def _whole(x, members) -> bool:
+    """Every FP8 tile of the group loads unchecked (exact_mma_fp8.cuh): x and each member's rows
+    16-byte aligned, the in-features whole FP8 blocks."""
+    n_in = x.shape[1]
+    return n_in % FP8_BLOCK == 0 and x.data.ptr % 16 == 0 and all(m[0] % 16 == 0 for m in members)
 
 
 def _linear_f32(x, w):

@@ -262,62 +262,52 @@ static __device__ void group_block(const long long* table, int members, float* y
     add_slices(mine, y + t * f[G_Y], counters + f[G_COUNTER] + tile, t, n_out, splits, tile);
 }
 
-// grid (the members' blocks), block MMA_THREADS. The launch bounds keep the blocks per SM the
-// registers would otherwise cut (a decode projection is bound by the loads its blocks keep in flight).
-#define PROJECTION_GROUPS(NT, BF16_BLOCKS, FP8_BLOCKS)                                             \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS, BF16_BLOCKS)                         \
-    linear_group_bf16_n##NT(const float* x, const long long* table, int members, float* y,         \
-                            float* part, int* counters, int t, int n_in) {                         \
-        after_predecessor();                                                                       \
-        group_block(table, members, y, part, counters, t, n_in,                                    \
-                    [&](const long long* f, float* out, int len, long long k0, int tile) {         \
-                        const unsigned short* w = reinterpret_cast<const unsigned short*>(f[G_W]); \
-                        project_bf16<NT, NT == 2>(x + k0, w + k0, out, t, len, (int)f[G_OUT],      \
-                                                  n_in, f[G_OUT], n_in, tile);                     \
-                    });                                                                            \
-    }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS, FP8_BLOCKS)                          \
-    linear_group_fp8_n##NT(const float* x, const long long* table, int members, float* y,          \
-                           float* part, int* counters, int t, int n_in) {                          \
-        after_predecessor();                                                                       \
-        group_block(table, members, y, part, counters, t, n_in,                                    \
-                    [&](const long long* f, float* out, int len, long long k0, int tile) {         \
-                        project_fp8<NT>(x, reinterpret_cast<const unsigned char*>(f[G_W]),         \
-                                        reinterpret_cast<const float*>(f[G_SCALE]), out, t, len,   \
-                                        (int)f[G_OUT], k0, n_in, tile);                            \
-                    });                                                                            \
-    }
-
-PROJECTION_GROUPS(1, 3, 2) PROJECTION_GROUPS(2, 2, 1)
-
-// linear_group_bf16_n1 for one row (a decode step): mma_tile's ONE tile, the same bits. Its own
-// kernel, so the 2..8-row walks keep the n1 kernel's registers (with the one-row loop beside its
-// checked loop, n1 spilled and its 8-row calls ran 1-3% slower).
-extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3)
-linear_group_bf16_one(const float* x, const long long* table, int members, float* y, float* part, int* counters,
-                      int t, int n_in) {
-    after_predecessor();
+// One block of a group of bf16 members, and of FP8 members (template arguments as for
+// project_bf16 and project_fp8); the kernels below differ only in them and in their launch bounds.
+template <int NT, bool PREFETCH, bool ONE = false>
+static __device__ void bf16_group_block(const float* x, const long long* table, int members, float* y, float* part,
+                                        int* counters, int t, int n_in) {
     group_block(table, members, y, part, counters, t, n_in,
                 [&](const long long* f, float* out, int len, long long k0, int tile) {
                     const unsigned short* w = reinterpret_cast<const unsigned short*>(f[G_W]);
-                    project_bf16<1, false, true>(x + k0, w + k0, out, t, len, (int)f[G_OUT], n_in, f[G_OUT], n_in,
-                                                 tile);
+                    project_bf16<NT, PREFETCH, ONE>(x + k0, w + k0, out, t, len, (int)f[G_OUT], n_in, f[G_OUT], n_in,
+                                                    tile);
                 });
 }
 
-// linear_group_fp8_n1 for one row of whole tiles (every member's rows 16-byte aligned, n_in whole
-// FP8 blocks): only the staged one-row path, so fewer registers and more blocks an SM; the same bits.
-extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3)
-linear_group_fp8_one(const float* x, const long long* table, int members, float* y, float* part, int* counters,
-                     int t, int n_in) {
-    after_predecessor();
+template <int NT, bool ONE = false>
+static __device__ void fp8_group_block(const float* x, const long long* table, int members, float* y, float* part,
+                                       int* counters, int t, int n_in) {
     group_block(table, members, y, part, counters, t, n_in,
                 [&](const long long* f, float* out, int len, long long k0, int tile) {
-                    project_fp8<1, true>(x, reinterpret_cast<const unsigned char*>(f[G_W]),
+                    project_fp8<NT, ONE>(x, reinterpret_cast<const unsigned char*>(f[G_W]),
                                          reinterpret_cast<const float*>(f[G_SCALE]), out, t, len, (int)f[G_OUT], k0,
                                          n_in, tile);
                 });
 }
+
+// grid (the members' blocks), block MMA_THREADS. The launch bounds keep the blocks per SM the
+// registers would otherwise cut (a decode projection is bound by the loads its blocks keep in flight).
+#define GROUP_KERNEL(NAME, BLOCKS, BODY)                                                            \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, BLOCKS)                              \
+    NAME(const float* x, const long long* table, int members, float* y, float* part, int* counters, int t, \
+         int n_in) {                                                                                \
+        after_predecessor();                                                                        \
+        BODY(x, table, members, y, part, counters, t, n_in);                                        \
+    }
+
+GROUP_KERNEL(linear_group_bf16_n1, 3, (bf16_group_block<1, false>))
+GROUP_KERNEL(linear_group_bf16_n2, 2, (bf16_group_block<2, true>))
+GROUP_KERNEL(linear_group_fp8_n1, 2, fp8_group_block<1>)
+GROUP_KERNEL(linear_group_fp8_n2, 1, fp8_group_block<2>)
+
+// One decode row: linear_group_bf16_n1's bits through mma_tile's ONE tile, and linear_group_fp8_n1's
+// through the staged one-row FP8 tile where every member's tiles are whole (rows 16-byte aligned,
+// n_in whole FP8 blocks: the host checks). Kernels of their own, so the 2..8-row walks keep the n1
+// kernels' registers (with the one-row loop beside its checked loop, bf16 n1 spilled and its 8-row
+// calls ran 1-3% slower) and the one-row ones fewer (80: three blocks an SM).
+GROUP_KERNEL(linear_group_bf16_one, 3, (bf16_group_block<1, false, true>))
+GROUP_KERNEL(linear_group_fp8_one, 3, (fp8_group_block<1, true>))
 
 // y[i] = table[ids[i]]; grid (n_ids), block MEMRA_BLOCK. An id outside [0, vocab) gives a NaN
 // row (loud downstream) instead of an out-of-bounds read; host ids are checked before launch.

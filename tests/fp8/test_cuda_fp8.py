@@ -164,6 +164,24 @@ def test_unchecked_fp8_tiles_give_the_checked_tiles_bits(t):
     assert _unchecked_equals_checked(t)
 
 
+def test_a_whole_fp8_row_runs_the_one_row_kernel(monkeypatch):
+    """The gate above compares linear_group_fp8_one (x aligned, t = 1) with linear_group_fp8_n1's
+    checked tile (x one float off): both kernels must really run, or it would compare n1 with itself."""
+    rng, ops, names = np.random.default_rng(0), Fp8Ops(), []
+    w = ops.matrix(_fp8(rng, (45, 384), 384 ** -0.5))
+    real = dense.launch
+
+    def recorded(family, name, *args, **kwargs):
+        names.append(name)
+        return real(family, name, *args, **kwargs)
+    monkeypatch.setattr(dense, "launch", recorded)
+    x = cp.asarray(normal(rng, (1, 384)))
+    ops.linear(x, w)
+    ops.linear(_misaligned(x), w)
+    ops.linear(cp.asarray(normal(rng, (2, 384))), w)
+    assert names == ["linear_group_fp8_one", "linear_group_fp8_n1", "linear_group_fp8_n1"]
+
+
 def _tile_mutants(monkeypatch, tmp_path, exact: str, broken: str) -> dict:
     """exact_mma_fp8.cuh with `exact` replaced by `broken`, as a launch per family (dense, moe)."""
     mutants = {}

@@ -76,6 +76,18 @@ __device__ __forceinline__ void store_values(float* p, const float (&v)[V]) {
     }
 }
 
+// A warp's 32 lanes combined by a fixed xor butterfly (offsets 16, 8, 4, 2, 1). Each step
+// combines a commutative pair, so every lane ends with the same bits.
+template <typename Op>
+__device__ __forceinline__ float warp_xor_reduce(float v, Op op) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float warp_xor_sum(float v) {
+    return warp_xor_reduce(v, [](float a, float b) { return a + b; });
+}
+
 // Fixed-shape tree sum over MEMRA_BLOCK partials held in shared memory; returns the total to all.
 __device__ __forceinline__ float block_sum(float v, float* shm) {
     shm[threadIdx.x] = v;

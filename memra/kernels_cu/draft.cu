@@ -42,9 +42,7 @@ extern "C" __global__ void block_attention(const float* q, const float* k_ctx, c
             const int d = lane + 32 * e;
             if (d < hd) s += qv[e] * kr[d];
         }
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
-        s *= scale;
+        s = warp_xor_sum(s) * scale;
         const float m_new = fmaxf(m, s), carry = expf(m - m_new), p = expf(s - m_new);
         l = l * carry + p;
 #pragma unroll

@@ -5,13 +5,6 @@
 // hc_weights' pre, then hc_collapse).
 #include "common.cuh"
 
-// Fixed xor-butterfly over the 32 lanes. Each step adds a commutative pair, so every lane ends
-// with the same bits; callers still take lane 0's value.
-static __device__ __forceinline__ float hc_warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // Thread (a, b) of the n x n mixing matrix c (shared): c[a, b] /= (sum of its column + eps),
 // or of its row; every thread of a column (row) adds it in ascending order, the same bits.
 static __device__ void hc_normalise(float* c, int n, int a, int b, bool columns, float eps) {
@@ -82,7 +75,7 @@ static __device__ void partials_rows(const float* __restrict__ streams, const fl
             float acc = 0.0f;
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc += (squares[q] ? xv[r][e] : wv[q][e]) * xv[r][e];
-            acc = hc_warp_sum(acc);
+            acc = warp_xor_sum(acc);
             if (lane == 0) red[r][warp][q] = acc;
         }
     }

@@ -21,11 +21,6 @@ constexpr int KEYS = KDA_SCAN_KEYS;       // a scan warp holds KEYS keys of its 
 constexpr int SCAN_WARPS = MAX_DK / KEYS;
 constexpr int SCAN_THREADS = 32 * SCAN_WARPS;
 
-static __device__ __forceinline__ float chunk_warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // q, k, g [t, Hk, dk]; v [t, Hk, dv]; beta [t, Hk]. Grid (chunks of the span, Hk), MEMRA_BLOCK
 // threads. G (the chunk's cumulative g) is kept as hi + lo by two-sum, so a difference G_r - G_j
 // is accurate relative to itself, not to |G|; every exponent is <= 0.
@@ -76,8 +71,8 @@ kda_chunk_prep(const float* __restrict__ q, const float* __restrict__ k,
             kk = fmaf(sk[r][d], kj, kk);
             qk = fmaf(sq[r][d], kj, qk);
         }
-        kk = chunk_warp_sum(kk);
-        qk = chunk_warp_sum(qk);
+        kk = warp_xor_sum(kk);
+        qk = warp_xor_sum(qk);
         if (lane == 0) {
             sa[r][j] = j < r ? sb[r] * kk : 0.0f;
             qm[piece * CH * CH + r * CH + j] = qk;

@@ -182,28 +182,18 @@ static __device__ __forceinline__ void put_piece_copies_v(const float (&a)[V], u
     }
 }
 
-// The prompt softmax's block reductions: each warp by a xor butterfly (every lane ends with the
-// same bits), then the warps' results in order: two barriers where block_max / block_sum's tree
-// takes nine. The max is exact in any order; the sum is prime class's own order.
-static __device__ __forceinline__ float warps_max(float v, float* shm) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (threadIdx.x % 32 == 0) shm[threadIdx.x / 32] = v;
-    __syncthreads();
-    float m = shm[0];
-#pragma unroll
-    for (int w = 1; w < WARPS_PER_BLOCK; ++w) m = fmaxf(m, shm[w]);
-    __syncthreads();  // read by every thread before shm's next use
-    return m;
-}
-
-static __device__ __forceinline__ float warps_sum(float v, float* shm) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+// The prompt softmax's block reductions (op: max or sum): each warp by warp_xor_reduce, then the
+// warps' results in order: two barriers where block_max / block_sum's tree takes nine. The max is
+// exact in any order; the sum is prime class's own order.
+template <typename Op>
+static __device__ __forceinline__ float warps_reduce(float v, float* shm, Op op) {
+    v = warp_xor_reduce(v, op);
     if (threadIdx.x % 32 == 0) shm[threadIdx.x / 32] = v;
     __syncthreads();
     float total = shm[0];
 #pragma unroll
-    for (int w = 1; w < WARPS_PER_BLOCK; ++w) total += shm[w];
-    __syncthreads();
+    for (int w = 1; w < WARPS_PER_BLOCK; ++w) total = op(total, shm[w]);
+    __syncthreads();  // read by every thread before shm's next use
     return total;
 }
 
@@ -239,7 +229,7 @@ static __device__ __forceinline__ void softmax_row_pieces(float* row, const unsi
 #pragma unroll
         for (int i = 0; i < V; ++i) mx = fmaxf(mx, a[i]);
     }
-    mx = warps_max(mx, shm);
+    mx = warps_reduce(mx, shm, [](float a, float b) { return fmaxf(a, b); });
     float sum = 0.0f;
     for (int j = V * threadIdx.x; j < ctx; j += V * MEMRA_BLOCK) {
         float a[V];
@@ -254,7 +244,7 @@ static __device__ __forceinline__ void softmax_row_pieces(float* row, const unsi
         }
         store_values<V>(e + j, a);
     }
-    sum = warps_sum(sum, shm);
+    sum = warps_reduce(sum, shm, [](float a, float b) { return a + b; });
     // a row that lists no position (never one of a prompt: it sees itself) attends nothing
     for (int j = V * threadIdx.x; j < ctx; j += V * MEMRA_BLOCK) {
         float a[V];

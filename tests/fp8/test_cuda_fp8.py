@@ -23,6 +23,7 @@ from tests.gpu import cupy_or_skip
 pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
+from benchmarks.common import counted_launches  # noqa: E402
 from memra.backend.cuda import dense, moe, prime  # noqa: E402
 from memra.backend.cuda.backend import CudaBackend  # noqa: E402
 from memra.backend.cuda.dense import DenseOps  # noqa: E402
@@ -164,22 +165,20 @@ def test_unchecked_fp8_tiles_give_the_checked_tiles_bits(t):
     assert _unchecked_equals_checked(t)
 
 
-def test_a_whole_fp8_row_runs_the_one_row_kernel(monkeypatch):
+def test_a_whole_fp8_row_runs_the_one_row_kernel():
     """The gate above compares linear_group_fp8_one (x aligned, t = 1) with linear_group_fp8_n1's
     checked tile (x one float off): both kernels must really run, or it would compare n1 with itself."""
-    rng, ops, names = np.random.default_rng(0), Fp8Ops(), []
+    rng, ops = np.random.default_rng(0), Fp8Ops()
     w = ops.matrix(_fp8(rng, (45, 384), 384 ** -0.5))
-    real = dense.launch
-
-    def recorded(family, name, *args, **kwargs):
-        names.append(name)
-        return real(family, name, *args, **kwargs)
-    monkeypatch.setattr(dense, "launch", recorded)
     x = cp.asarray(normal(rng, (1, 384)))
-    ops.linear(x, w)
-    ops.linear(_misaligned(x), w)
-    ops.linear(cp.asarray(normal(rng, (2, 384))), w)
-    assert names == ["linear_group_fp8_one", "linear_group_fp8_n1", "linear_group_fp8_n1"]
+
+    def launched(rows):
+        with counted_launches() as launches:
+            ops.linear(rows, w)
+        return dict(launches)
+    assert launched(x) == {"dense.linear_group_fp8_one": 1}
+    assert launched(_misaligned(x)) == {"dense.linear_group_fp8_n1": 1}
+    assert launched(cp.asarray(normal(rng, (2, 384)))) == {"dense.linear_group_fp8_n1": 1}
 
 
 def _tile_mutants(monkeypatch, tmp_path, exact: str, broken: str) -> dict:

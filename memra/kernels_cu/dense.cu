@@ -305,8 +305,12 @@ GROUP_KERNEL(linear_group_fp8_n2, 1, fp8_group_block<2>)
 // through the staged one-row FP8 tile where every member's tiles are whole (rows 16-byte aligned,
 // n_in whole FP8 blocks: the host checks). Kernels of their own, so the 2..8-row walks keep the n1
 // kernels' registers (with the one-row loop beside its checked loop, bf16 n1 spilled and its 8-row
-// calls ran 1-3% slower) and the one-row ones fewer (80: three blocks an SM).
+// calls ran 1-3% slower) and the one-row ones fewer (80: three blocks an SM). linear_group_bf16_one4
+// (64 registers: four blocks an SM) serves the groups whose blocks fill an SM's last round better
+// at four than at three (the host picks, dense.py's _one_row_kernel: a 4096 x 8192 projection is
+// 512 blocks, one round at four and 1.3 at three); the bits are the same.
 GROUP_KERNEL(linear_group_bf16_one, 3, (bf16_group_block<1, false, true>))
+GROUP_KERNEL(linear_group_bf16_one4, 4, (bf16_group_block<1, false, true>))
 GROUP_KERNEL(linear_group_fp8_one, 3, (fp8_group_block<1, true>))
 
 // y[i] = table[ids[i]]; grid (n_ids), block MEMRA_BLOCK. An id outside [0, vocab) gives a NaN

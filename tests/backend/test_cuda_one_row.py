@@ -74,12 +74,37 @@ def test_the_one_row_tile_gives_the_checked_tiles_bits(seed):
     assert _one_row_equals_checked(seed)
 
 
-def test_a_decode_row_runs_the_one_row_kernel():
-    assert dense._group_kernel("bf16", 1, False) == "linear_group_bf16_one"
-    assert dense._group_kernel("bf16", 2, True) == "linear_group_bf16_n1"
-    assert dense._group_kernel("fp8", 1, True) == "linear_group_fp8_one"  # whole tiles only
-    assert dense._group_kernel("fp8", 1, False) == "linear_group_fp8_n1"
-    assert dense._group_kernel("fp8", 2, True) == "linear_group_fp8_n1"
+def test_a_decode_row_runs_the_one_row_kernel(monkeypatch):
+    monkeypatch.setattr(dense, "_multiprocessors", lambda device: 132)  # the H200's
+    assert dense._group_kernel("bf16", 1, False, 128) == "linear_group_bf16_one"
+    assert dense._group_kernel("bf16", 2, True, 128) == "linear_group_bf16_n1"
+    assert dense._group_kernel("fp8", 1, True, 128) == "linear_group_fp8_one"  # whole tiles only
+    assert dense._group_kernel("fp8", 1, False, 128) == "linear_group_fp8_n1"
+    assert dense._group_kernel("fp8", 2, True, 128) == "linear_group_fp8_n1"
+    # four blocks an SM where the last round is fuller: 512 blocks one round at four (1.3 at three)
+    for blocks, kernel in ((512, "one4"), (1024, "one4"), (768, "one"), (778, "one"), (4840, "one"), (256, "one")):
+        assert dense._group_kernel("bf16", 1, False, blocks) == f"linear_group_bf16_{kernel}", blocks
+    assert dense._group_kernel("bf16", 8, False, 512) == "linear_group_bf16_n1"
+    assert dense._group_kernel("fp8", 1, True, 512) == "linear_group_fp8_one"  # FP8 keeps three an SM
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_four_blocks_an_sm_kernel_gives_the_three_blocks_bits(monkeypatch, seed):
+    """linear_group_bf16_one4 against linear_group_bf16_one on one group (a member split into
+    K slices, one not): the same bits, each kernel seen to run (else the gate compares one with itself)."""
+    from benchmarks.common import counted_launches
+
+    rng, ops = np.random.default_rng(seed), Ops()
+    ws = [_bf16(rng, (64, 4096)), _bf16(rng, (45, 4096)), _bf16(rng, (256 * 32, 4096))]
+    x = cp.asarray(normal(rng, (1, 4096)))
+    outs = {}
+    for suffix in ("", "4"):
+        monkeypatch.setattr(dense, "_one_row_kernel", lambda blocks: f"linear_group_bf16_one{suffix}")
+        with counted_launches() as launches:
+            outs[suffix] = ops.linears(x, ws)
+        assert dict(launches) == {f"dense.linear_group_bf16_one{suffix}": 1}
+    for a, b in zip(outs[""], outs["4"]):
+        assert cp.array_equal(a.view(cp.uint32), b.view(cp.uint32))
 
 
 @pytest.mark.parametrize("exact, broken", [

@@ -34,8 +34,9 @@ from memra.safetensors_io import f32_to_bf16  # noqa: E402
 
 ROWS = (1, 8)
 PAST_L2 = 256 << 20  # bytes a graph's calls read together: about five times the H200's L2
-SIZES = {  # (projections in x out, experts (E, I, D, k))
-    "bench": ({"proj_4096x4096": (4096, 4096), "ffn_4096x12288": (4096, 12288), "down_12288x4096": (12288, 4096)},
+SIZES = {  # (projections in x out, experts (E, I, D, k)); o_proj: KDA's, 512 blocks at t = 1 (bf16 at four an SM)
+    "bench": ({"proj_4096x4096": (4096, 4096), "ffn_4096x12288": (4096, 12288), "down_12288x4096": (12288, 4096),
+               "o_proj_8192x4096": (8192, 4096)},
               (64, 2048, 4096, 8)),
     "small": ({"proj_384x256": (384, 256)}, (8, 256, 384, 2)),  # the tests' shapes
 }

@@ -18,6 +18,7 @@ from tests.gpu import cupy_or_skip
 pytestmark = pytest.mark.gpu
 cp = cupy_or_skip()
 
+from benchmarks.common import counted_launches  # noqa: E402
 from memra.backend.cuda import dense, moe  # noqa: E402
 from memra.backend.cuda.dense import DenseOps  # noqa: E402
 from memra.backend.cuda.moe import MoeOps  # noqa: E402
@@ -92,8 +93,6 @@ def test_a_decode_row_runs_the_one_row_kernel(monkeypatch):
 def test_the_four_blocks_an_sm_kernel_gives_the_three_blocks_bits(monkeypatch, seed):
     """linear_group_bf16_one4 against linear_group_bf16_one on one group (a member split into
     K slices, one not): the same bits, each kernel seen to run (else the gate compares one with itself)."""
-    from benchmarks.common import counted_launches
-
     rng, ops = np.random.default_rng(seed), Ops()
     ws = [_bf16(rng, (64, 4096)), _bf16(rng, (45, 4096)), _bf16(rng, (256 * 32, 4096))]
     x = cp.asarray(normal(rng, (1, 4096)))

@@ -151,7 +151,8 @@ def _project(x, ws, kind: str) -> list:
     outs = [y[a:b].reshape(t, n) for a, b, n in zip(starts[:-1], starts[1:], group.n_outs)]
     if t and group.blocks:
         part = cp.empty(max(t * group.parts, 1), cp.float32)
-        launch("dense", _group_kernel(kind, t, _whole(x, members), group.blocks), (group.blocks,), (BLOCK,),
+        whole = kind == "fp8" and _whole(x, members)  # only an FP8 group's kernel depends on it
+        launch("dense", _group_kernel(kind, t, whole, group.blocks), (group.blocks,), (BLOCK,),
                (x, group.table, i32(len(ws)), y, part, _counters(), i32(t), i32(n_in)))
     return outs
 

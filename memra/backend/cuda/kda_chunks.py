@@ -54,7 +54,7 @@ def prime_kda(q, k, v, g, beta, state):
     per_chunk = 4 * hk * KDA_CHUNK * (3 * dk + dv + KDA_CHUNK + 1)  # bytes: w, qtil, khat; u0; qm; decay
     span = max(1, min(chunks, SCRATCH_BYTES // (2 * per_chunk)))
     starts = range(0, chunks, span)
-    sets = [_scratch(min(span, chunks), hk, dk, dv) for _ in starts[:2]]
+    sets = [_scratch(span, hk, dk, dv) for _ in starts[:2]]
     opt_in(kernel("kda_chunks", "kda_chunk_scan"), SCAN_SHARED)
     main, side = fork("chunks")
     scanned = []
@@ -62,11 +62,12 @@ def prime_kda(q, k, v, g, beta, state):
         for i, c0 in enumerate(starts):
             if i >= 2:  # span i's prep goes into the set span i - 2's scan reads
                 main.wait_event(scanned[i - 2])
-            _prep(q, k, v, g, beta, sets[i % 2], c0, min(span, chunks - c0), t, hk, dk, dv)
+            nc = min(span, chunks - c0)
+            _prep(q, k, v, g, beta, sets[i % 2], c0, nc, t, hk, dk, dv)
             prepped = recorded(main)
             with side:
                 side.wait_event(prepped)
-                _scan(sets[i % 2], state, out, c0, min(span, chunks - c0), t, hk, dk, dv)
+                _scan(sets[i % 2], state, out, c0, nc, t, hk, dk, dv)
                 scanned.append(recorded(side))
     finally:
         join(main, side)

@@ -27,6 +27,7 @@ import cupy as cp
 import cupyx
 from cuda.bindings import driver
 
+from memra.kernels_cu import with_header_digest
 from memra.kernels_cu.constants import DEFINES, FLAGS
 from memra.kernels_cu.constants import MEMRA_BLOCK as BLOCK  # threads per block of most launches
 
@@ -44,8 +45,9 @@ def module(family: str) -> "cp.RawModule":
 
 def source_module(src: str) -> "cp.RawModule":
     """CUDA source compiled as the kernel families are: the build's flags and defines, with
-    kernels_cu on the include path (tests compile mutated families and probes with it)."""
-    mod = cp.RawModule(code=src, options=OPTIONS + ("-I" + str(kernel_dir()),))
+    kernels_cu on the include path (tests compile mutated families and probes with it), keyed in
+    CuPy's kernel cache by the headers too."""
+    mod = cp.RawModule(code=with_header_digest(src, kernel_dir()), options=OPTIONS + ("-I" + str(kernel_dir()),))
     mod.compile()
     return mod
 

@@ -254,13 +254,14 @@ def _ctx(cfg, max_ctx) -> int:
 
 
 def plan_for_config(cfg, dtype: str = "bf16", max_ctx: int | None = None, devices: int = 1, free=None,
-                    graphs: bool = True, source: str | None = None) -> MemoryPlan:
+                    graphs: bool = True, source: str | None = None, ranges=None) -> MemoryPlan:
     """The plan of a release checkpoint of `cfg` in `dtype` ("bf16", "fp8" or "f32"), no files needed.
     max_ctx defaults to max_position_embeddings; `free` is one byte count for every device, one per
-    device, or None (unknown: the plan then always fits)."""
+    device, or None (unknown: the plan then always fits); `ranges` as plan_for_checkpoint's."""
     source = source or f"a {cfg.num_hidden_layers}-layer glm5_next config"
+    devices = devices if ranges is None else len(ranges)
     return _plan(cfg, config_weight_bytes(cfg, dtype), source, _ctx(cfg, max_ctx), devices,
-                 _frees(free, devices), graphs)
+                 _frees(free, devices), graphs, ranges)
 
 
 def checkpoint_weight_bytes(path: str, cfg) -> WeightBytes:

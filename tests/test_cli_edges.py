@@ -74,6 +74,35 @@ def test_closed_stdout_is_one_line(small, args):
     refused(raw_cli("--checkpoint", small, *args, close=(1,)), "stdout is closed")
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_a_full_output_device_is_one_line(small):
+    with open("/dev/full", "wb") as full:
+        proc = subprocess.run([sys.executable, "-m", "memra.run", "--checkpoint", small, "--prompt-ids", "1,2,3",
+                               "-n", "2"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=full,
+                              stderr=subprocess.PIPE, timeout=120, check=False)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and err.count("\n") == 1 and "cannot write the output (No space left" in err, err
+
+
+def read_only_stderr():
+    """fd 2 holding a file opened for reading, as a launcher's script leaves it (pyenv's shim
+    under `2>&-`): Python's sys.stderr is then a stream every write to fails."""
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 2)
+
+
+@pytest.mark.parametrize("how", ["closed", "read-only"])
+def test_a_broken_stderr_loses_the_summary_not_the_run(small, how):
+    argv = ("--checkpoint", small, "--prompt-ids", "1,2,3", "-n", "2", "--json")
+    if how == "closed":
+        proc = raw_cli(*argv, close=(2,))
+    else:
+        proc = subprocess.run([sys.executable, "-m", "memra.run", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=read_only_stderr,
+                              timeout=120, check=False)
+    assert proc.returncode == 0
+    assert json.loads(proc.stdout.decode().splitlines()[-1])["new_tokens"] == 2
+
+
 @pytest.mark.parametrize("file", ["config.json", "generation_config.json"])
 def test_a_nested_json_checkpoint_file_is_one_line(ckpt, tmp_path, file):
     path = shutil.copytree(ckpt, tmp_path / "ckpt")

@@ -54,6 +54,8 @@ CASES = [
     (["--ranks", "--gpus", "2"], "--ranks runs one stage per process"),
     (["--ranks", "--backend", "numpy"], "start one process per GPU with torchrun"),  # no launcher here
     (["--backend", "cuda"], None),  # refused on a machine without a GPU (skipped where one is usable)
+    (["--draft", "none", "--top-p", "0.5"], "--top-p is for sampled decoding, and this run is greedy"),
+    (["--seed", "5", "--min-p", "0.1"], "--min-p and --seed are for sampled decoding"),
 ]
 
 
@@ -112,3 +114,33 @@ def test_bad_generation_config(no_mtp, tmp_path):
     (path / "generation_config.json").write_text("[1,")
     proc = run_cli("--checkpoint", path, "--prompt", "hi")
     assert proc.returncode == 2 and "generation_config.json is not valid JSON" in proc.stderr
+
+
+# refused as the command line is parsed (in process: no model is loaded)
+PARSE_CASES = [
+    (["--prompt=--"], ["--prompt: '--' cannot be given as a flag's value"]),  # argparse would hand it []
+    (["-n--"], ["-n: '--' cannot be given"]),
+    (["--gpus=--", "--prompt", "x"], ["--gpus: '--' cannot be given"]),
+    (["--plan", "--draft", "native-mtp"], ["--plan does not use --draft: drop it"]),
+    (["--plan", "--prompt", "x", "-n", "3"], ["--plan does not use", "--prompt", "--max-new-tokens", "drop them"]),
+    (["--list-drafters", "--json"], ["--list-drafters does not use --json"]),
+    (["--plan", "--preset", "small", "--checkpoint", "x"], ["--preset plans a named config", "give one"]),
+]
+
+
+@pytest.mark.parametrize("argv, needles", PARSE_CASES, ids=lambda v: " ".join(v)[:40] if isinstance(v, list)
+                         and v and v[0].startswith("-") else None)
+def test_a_flag_the_run_would_drop_or_misread_is_refused(argv, needles, capsys):
+    from memra.cli.main import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memra: ") and err.count("\n") == 1 and all(n in err for n in needles), err
+
+
+def test_generation_config_asking_for_a_penalty_gets_a_note(ckpt, tmp_path):
+    path = shutil.copytree(ckpt, tmp_path / "ckpt")
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": False, "repetition_penalty": 1.3}))
+    proc = run_on(path, "--draft", "none", "-n", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "generation_config.json asks for repetition_penalty 1.3, which memra does not apply" in proc.stderr

@@ -382,3 +382,14 @@ def test_the_plan_is_what_the_device_allocates(fixture_dir, dtype):
     free = model.be.free_bytes()
     assert isinstance(free, int) and 0 < free <= cp.cuda.runtime.memGetInfo()[1]
     del cache, mtp_plane
+
+
+@pytest.mark.parametrize("source", [["--preset", "small"], ["--checkpoint", "small"]])
+def test_cli_plan_follows_an_explicit_stage_split(fixture_dir, capsys, source):
+    if source[0] == "--checkpoint":
+        source = ["--checkpoint", fixture_dir("small")]
+    code = cli_main.main(["--plan", *source, "--stage-layers", "0-0,1-5", "--backend", "numpy", "--json"])
+    out, err = capsys.readouterr()
+    record = json.loads(out.splitlines()[-1])
+    assert code == 0, err
+    assert record["devices"] == 2 and [d["layers"] for d in record["per_device"]] == [[0, 1], [1, 6]]

@@ -146,8 +146,46 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _refuse_dash_dash_values(argv) -> None:
+    """`--flag=--` (or `-n--`): argparse drops a '--' value and hands the flag an empty list, past
+    its type check, so such a flag would reach the run unchecked."""
+    for arg in argv:
+        if arg == "--":
+            return
+        flag, eq, value = arg.partition("=")
+        if not eq and arg.startswith("-") and not arg.startswith("--") and len(arg) > 2:
+            flag, value = arg[:2], arg[2:]
+        if arg.startswith("-") and value == "--":
+            raise UsageError(f"{flag}: '--' cannot be given as a flag's value (argparse takes it for the end of "
+                             "the flags); a prompt that is '--' goes in --prompt-file or on stdin (--prompt -)")
+
+
+# The flags each mode reads: any other flag given beside it would be dropped without a word.
+MODE_FLAGS = {
+    "list_drafters": {"list_drafters", "checkpoint", "backend", "debug"},
+    "plan": {"plan", "checkpoint", "backend", "gpus", "stage_layers", "max_ctx", "json", "preset", "weights_dtype",
+             "debug"},
+}
+
+
+def _refuse_unused_flags(args, parser) -> None:
+    defaults = vars(parser.parse_args([]))
+    for mode, used in MODE_FLAGS.items():
+        if getattr(args, mode):
+            unused = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                      if name not in used and value != defaults[name]]
+            if unused:
+                raise UsageError(f"--{mode.replace('_', '-')} does not use {', '.join(unused)}: drop "
+                                 f"{'it' if len(unused) == 1 else 'them'}")
+    if args.preset and args.checkpoint:
+        raise UsageError("--preset plans a named config and --checkpoint a checkpoint's files: give one")
+
+
 def parse_args(argv):
-    args = build_parser().parse_args(argv)
+    _refuse_dash_dash_values(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _refuse_unused_flags(args, parser)
     check_placement(args)
     if args.eos and args.ignore_eos:
         raise UsageError("--eos and --ignore-eos contradict each other: give one")

@@ -71,7 +71,7 @@ def prompt_ids(args, source: Source, tokenizer, stdin=None) -> list[int]:
     if args.prompt_file is not None:
         try:
             with open(os.path.expanduser(args.prompt_file), encoding="utf-8") as f:
-                text = f.read()
+                text = _bounded(f.read(MAX_PROMPT_CHARS + 1), f"--prompt-file {args.prompt_file}")
         except (OSError, UnicodeDecodeError) as exc:
             why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot read it ({why})") from None
@@ -105,11 +105,21 @@ def _utf8(text: str) -> bool:
         return False
 
 
+MAX_PROMPT_CHARS = 64 << 20  # far past any context (a token is a few characters); /dev/zero stops here
+
+
+def _bounded(text, where: str):
+    if len(text) > MAX_PROMPT_CHARS:
+        raise UsageError(f"{where}: the prompt is longer than {MAX_PROMPT_CHARS >> 20} Mi characters, past any "
+                         "model's context: give a shorter one")
+    return text
+
+
 def _read_stdin(stdin) -> str:
     if stdin is None or getattr(stdin, "closed", False):
         raise UsageError("--prompt -: stdin is closed: pipe the prompt in, or give --prompt TEXT or --prompt-file")
     try:
-        raw = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read()
+        raw = _bounded((stdin.buffer if hasattr(stdin, "buffer") else stdin).read(MAX_PROMPT_CHARS + 1), "--prompt -")
     except OSError as exc:
         raise UsageError(f"--prompt -: cannot read stdin ({exc.strerror or exc})") from None
     if isinstance(raw, str):
@@ -236,3 +246,34 @@ def check_plain_flags(args, draft) -> None:
         one = len(given) == 1
         raise UsageError(f"{' and '.join(given)} {'is' if one else 'are'} for speculative decoding, and this run "
                          f"is plain: drop {'it' if one else 'them'} or choose a draft source with --draft NAME")
+
+
+def check_greedy_flags(args, sampling) -> None:
+    """Sampling-only flags on a greedy run would be ignored silently: refuse them."""
+    if sampling is not None:
+        return
+    given = [f"--{name.replace('_', '-')}" for name in ("top_k", "top_p", "min_p", "seed")
+             if getattr(args, name) is not None]
+    if given:
+        one = len(given) == 1
+        raise UsageError(f"{' and '.join(given)} {'is' if one else 'are'} for sampled decoding, and this run is "
+                         f"greedy: drop {'it' if one else 'them'} or give --temperature T > 0")
+
+
+# generation_config.json keys that change transformers' tokens and that memra does not apply, each
+# with its value that changes nothing
+UNAPPLIED_GENERATION = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "num_beams": 1, "min_new_tokens": 0,
+                        "min_length": 0, "bad_words_ids": None, "suppress_tokens": None,
+                        "begin_suppress_tokens": None}
+
+
+def unapplied_generation(source: Source) -> list[str]:
+    """What the checkpoint's generation_config.json asks for that memra does not do (a note, not a
+    refusal: the file is the checkpoint's default, and no flag could take it back)."""
+    gen = source.generation
+    asked = [f"{key} {gen[key]!r}" for key, neutral in UNAPPLIED_GENERATION.items()
+             if gen.get(key) not in (neutral, None, [])]
+    if not asked:
+        return []
+    return [f"{GENERATION_CONFIG} asks for {', '.join(asked)}, which memra does not apply (no penalty or "
+            "constraint arm): the tokens can differ from transformers' generate"]

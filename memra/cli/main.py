@@ -8,6 +8,8 @@ and exit 2; Ctrl-C keeps what was printed and exits 130; --debug shows traceback
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import sys
@@ -25,13 +27,14 @@ from memra.model.tokens import check_token_ids
 
 EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130
+OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)  # a full or failing output device
 DEFAULT_K = 4
 WARMUP_PROMPT = 64   # long enough to reach the sparse (kpool) attention path
 
 
 def main(argv=None) -> int:
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
-    out, err = sys.stdout, sys.stderr
+    out, err = sys.stdout, _writable(sys.stderr)
     _tolerant(out, "replace")
     _tolerant(err, "backslashreplace")   # a refusal quoting non-UTF-8 argv bytes still prints
     held = {}                            # the text printer, once there is one (for Ctrl-C)
@@ -57,6 +60,12 @@ def main(argv=None) -> int:
     except BrokenPipeError:              # the reader left (`| head`): nothing more to say
         _silence(out)
         return 0
+    except OSError as exc:
+        if exc.errno not in OUTPUT_ERRNOS:
+            raise
+        print(f"memra: cannot write the output ({exc.strerror}): free some space, or redirect stdout elsewhere",
+              file=err)
+        return 1
     except (UsageError, MemraError) as exc:
         if debug:
             traceback.print_exc(file=err)
@@ -134,12 +143,15 @@ def _request(args, err, source, model, load_s: float, free_before) -> Job:
     if draft is not None and len(prompt) < 2:
         raise UsageError("speculative decoding needs a prompt of at least 2 tokens: give a longer prompt, "
                          "or --draft none")
+    sampling = inputs.sampling_params(args, source)
+    inputs.check_greedy_flags(args, sampling)
     room = inputs.check_context(args, cfg, len(prompt), err, *context_limit(cfg, model.be))
+    for note in inputs.unapplied_generation(source):
+        print(f"memra: {note}", file=err)
     return Job(source, model, load_s, tokenizer, prompt, room,
                draft, draft_why, args.num_draft_tokens or DEFAULT_K,
                inputs.source_draft_options(draft, inputs.draft_options(args.draft_option), source),
-               inputs.sampling_params(args, source), inputs.eos_ids(args, source, cfg), args.p_min or 0.0,
-               args.p_min0, free_before)
+               sampling, inputs.eos_ids(args, source, cfg), args.p_min or 0.0, args.p_min0, free_before)
 
 
 def _run(args, out, err, held: dict) -> int:
@@ -211,6 +223,22 @@ def _tolerant(stream, errors: str) -> None:
         stream.reconfigure(errors=errors)
     except (AttributeError, ValueError):
         pass
+
+
+def _writable(stream):
+    """stderr, or /dev/null where it was closed (`2>&-`; its descriptor may since hold a file opened
+    for reading, a launcher's script): the summary is lost, the run is not."""
+    if stream is None:
+        return open(os.devnull, "w")
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # no descriptor under it (a capture, a notebook): keep it
+        return stream
+    try:
+        readable_only = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+    except OSError:
+        readable_only = True  # closed
+    return open(os.devnull, "w") if readable_only else stream
 
 
 def _silence(stream) -> None:

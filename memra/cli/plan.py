@@ -15,8 +15,17 @@ from memra.limits import spec_context
 EXIT_DOES_NOT_FIT = 2
 
 
-def _devices(args) -> int:
-    return getattr(args, "gpus", None) or 1  # the pipeline's --gpus, where the CLI has it
+def _placement(args, cfg) -> tuple[int, tuple | None]:
+    """(devices, the stages' layer ranges or None: balanced by bytes) of --gpus / --stage-layers,
+    checked as a run's load_model checks them."""
+    from memra.model.stages import plan_stages
+
+    gpus = getattr(args, "gpus", None) or 1  # the pipeline's flags, where the CLI has them
+    stage_layers = getattr(args, "stage_layers", None)
+    if stage_layers is None:
+        return gpus, None
+    ranges = plan_stages(cfg.num_hidden_layers, gpus, stage_layers).ranges
+    return len(ranges), ranges
 
 
 def plan_command(args, out, err) -> int:
@@ -31,13 +40,16 @@ def plan_command(args, out, err) -> int:
     free, graphs = free_bytes(be), bool(getattr(be, "graphs", False))
     if args.preset is not None:
         cfg = ModelConfig.from_dict(preset(args.preset))
-        plan = plan_for_config(cfg, args.weights_dtype or "bf16", args.max_ctx, _devices(args), free, graphs,
-                               source=f"preset {args.preset}")
+        devices, ranges = _placement(args, cfg)
+        plan = plan_for_config(cfg, args.weights_dtype or "bf16", args.max_ctx, devices, free, graphs,
+                               source=f"preset {args.preset}", ranges=ranges)
     else:
         from memra.cli.inputs import model_source
 
         path = model_source(args, err).path
-        plan = plan_for_checkpoint(path, load_config(path), args.max_ctx, _devices(args), free, graphs)
+        cfg = load_config(path)
+        devices, ranges = _placement(args, cfg)
+        plan = plan_for_checkpoint(path, cfg, args.max_ctx, devices, free, graphs, ranges)
     print(plan.describe(), file=out, flush=True)
     if args.json:
         print(json.dumps(plan.to_dict()), file=out, flush=True)

@@ -34,7 +34,7 @@ def load_model(path: str | os.PathLike, backend: str = "auto", stages: int = 1, 
     from memra.backend import get_backend
     from memra.checkpoint import load_checkpoint
     from memra.memory_plan import balanced_split, check_device_fits, checkpoint_weight_bytes
-    from memra.model.stages import plan_stages
+    from memra.model.stages import plan_stages, stage_devices
     from memra.model.trunk import Glm5Model
 
     if not isinstance(path, (str, os.PathLike)):
@@ -44,6 +44,7 @@ def load_model(path: str | os.PathLike, backend: str = "auto", stages: int = 1, 
     cfg = load_config(path)
     by_bytes = lambda n: balanced_split(checkpoint_weight_bytes(path, cfg), n)  # noqa: E731  the memory plan's split
     plan = plan_stages(cfg.num_hidden_layers, stages, stage_layers, by_bytes)  # refuses a bad split before loading
+    stage_devices(devices, plan.count)
     check_device_fits(path, cfg, be, ranges=plan.ranges)  # the memory plan of this split, before any tensor is read
     weights = load_checkpoint(path, cfg, keep_bf16=True)
     if plan.count == 1:
@@ -65,7 +66,7 @@ def load_ranked(path: str | os.PathLike, backend: str = "cuda", environ=None):
     from memra.memory_plan import balanced_split, checkpoint_weight_bytes
     from memra.model.comms import NcclComm, launcher_env
     from memra.model.ranks import RankedGlm5Model, stage_tensors
-    from memra.model.stages import plan_stages
+    from memra.model.stages import plan_stages, stage_devices
 
     env = launcher_env(environ)
     be = get_backend(backend)

@@ -169,9 +169,15 @@ def check_p_min(p_min, pmin0, speculative: bool = True) -> tuple[float, bool]:
     return p_min, pmin0
 
 
+def check_model(model) -> None:
+    if not (hasattr(model, "cfg") and hasattr(model, "be")):
+        raise InputError(f"model must be a model memra.load_model returned, got {type(model).__name__} {model!r:.40}")
+
+
 def check_session_args(model, prompt_ids, max_ctx, p_min=0.0, pmin0=False, sampling=None):
     """SpecSession's arguments -> (prompt ids, sampling or None for greedy); max_ctx itself is
     new_cache's to judge. For the session's constructor, before it allocates anything."""
+    check_model(model)
     prompt = check_prompt(prompt_ids, model.cfg.vocab_size, speculative=True)
     if not _is_int(max_ctx):
         raise InputError(f"max_ctx must be an integer, got {max_ctx!r} ({type(max_ctx).__name__})")
@@ -183,6 +189,7 @@ def check_request(model, prompt_ids, max_new_tokens, draft=None, num_draft_token
                   sampling=None, eos=(), p_min=0.0, pmin0=False, on_tokens=None) -> Request:
     """Every argument of generate(), by name; the draft source's own K bound and the context are
     checked once the source is loaded (generate does both before it allocates)."""
+    check_model(model)
     n = check_count(max_new_tokens)
     draft = check_draft(draft)
     speculative = draft is not None

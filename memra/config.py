@@ -15,6 +15,8 @@ import copy
 import os
 from dataclasses import dataclass, fields
 
+import numpy as np
+
 from memra.errors import ConfigError, InputError
 from memra.jsonfile import read_json_object
 from memra.schedules import DSA, KDA, coerce, indexer_types, layer_types, mlp_layer_types, require
@@ -139,6 +141,7 @@ class ModelConfig:
 _TYPES = {f.name: f.type for f in fields(ModelConfig)}
 MAX_LAYERS = 1024     # 16x the deepest public MoE; the schedules are enumerated per layer
 MAX_SIZE = 2**31 - 1  # every declared size: the kernels index rows, columns and positions with int32
+MAX_SINKHORN_ITERS = 1000  # 50x the release's 20: every mHC site of every step runs them in turn
 _LINEAR_KEYS = {
     "num_heads": "linear_num_heads",
     "head_dim": "linear_head_dim",
@@ -223,7 +226,10 @@ def _validate(cfg: ModelConfig, text: dict) -> None:
     )
     for key in positive:
         require(getattr(cfg, key) >= 1, f"{key} must be >= 1, got {getattr(cfg, key)}")
-    require(cfg.rms_norm_eps > 0 and cfg.hc_eps > 0, "rms_norm_eps and hc_eps must be > 0")
+    require(cfg.hc_sinkhorn_iters <= MAX_SINKHORN_ITERS, f"hc_sinkhorn_iters {cfg.hc_sinkhorn_iters} is past "
+            f"the bound of {MAX_SINKHORN_ITERS} (the release uses 20): fix config.json")
+    require(np.float32(cfg.rms_norm_eps) > 0 and np.float32(cfg.hc_eps) > 0,
+            f"rms_norm_eps ({cfg.rms_norm_eps}) and hc_eps ({cfg.hc_eps}) must be > 0 in float32")
     require(cfg.swiglu_limit > 0, f"swiglu_limit must be > 0, got {cfg.swiglu_limit}")
     require(cfg.routed_scaling_factor > 0, f"routed_scaling_factor must be > 0, got {cfg.routed_scaling_factor}")
     require(

@@ -11,6 +11,8 @@ import math
 
 from memra.errors import ConfigError
 
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
+
 KDA = "linear_attention"
 DSA = "indexed_attention"
 # transformers writes the DSA mixer under three names across releases.
@@ -26,8 +28,9 @@ def coerce(key: str, value, kind: str):
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key {key!r} must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise ConfigError(f"config key {key!r} must be finite, got {value!r}")
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+            raise ConfigError(f"config key {key!r} must be a finite float32 (|x| <= {FLOAT32_MAX:.4g}: the "
+                              f"model computes in float32), got {value!r}")
         return float(value)
     if kind == "float | None":
         return None if value is None else coerce(key, value, "float")

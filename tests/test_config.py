@@ -261,6 +261,9 @@ def test_bad_indexer_schedule_keys_are_config_errors(key, value):
     ("swiglu_limit", math.nan), ("swiglu_limit", -1.0), ("routed_scaling_factor", math.inf),
     ("rms_norm_eps", math.inf), ("hc_eps", math.inf), (f"{LAC}.gate_lower_bound", -math.inf),
     ("n_shared_experts", -1),
+    ("routed_scaling_factor", 1e308), ("swiglu_limit", -1e39),  # finite, but past float32: inf in the model
+    ("rms_norm_eps", 1e-50), ("hc_eps", 1e-46),                 # positive, but 0 in float32
+    ("hc_sinkhorn_iters", 10**9),                               # a run of hours (int32 holds it)
 ])
 def test_nonsense_values_are_config_errors(key, value):
     d = _set(preset("small"), key, value)

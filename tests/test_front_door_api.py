@@ -129,3 +129,42 @@ def test_the_session_argument_check_names_each_argument(model, kwargs, name):
     with pytest.raises(InputError, match=name):
         check_session_args(model, args.pop("prompt_ids"), args.pop("max_ctx"), **args)
     assert check_session_args(model, PROMPT, 64) == (PROMPT, None)
+
+
+@pytest.mark.parametrize("not_a_model", [None, "model", 3])
+def test_generate_and_sessions_refuse_what_is_not_a_model(not_a_model):
+    with pytest.raises(InputError, match="model must be a model memra.load_model returned"):
+        memra.generate(not_a_model, PROMPT, 4)
+    with pytest.raises(InputError, match="model must be a model"):
+        check_session_args(not_a_model, PROMPT, 64)
+
+
+@pytest.mark.parametrize("stages, devices, needle", [
+    (2, "ab", "devices must be a list of GPU indices"), (2, [-1, 5], "integers >= 0"), (2, [0.0, 1], "integers >= 0"),
+    (2, [0], "1 stage devices [0] for 2 stages"), (1, [3], "this model is one stage"),
+])
+def test_load_model_refuses_stage_devices_before_reading_a_tensor(fixture_dir, monkeypatch, stages, devices, needle):
+    import memra.checkpoint
+
+    monkeypatch.setattr(memra.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("read the tensors"))
+    with pytest.raises(InputError) as info:
+        memra.load_model(fixture_dir("small"), backend="numpy", stages=stages, devices=devices)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("target", ["5", None, 2.0, -1, True])
+def test_a_refused_burst_target_moves_no_session(model, target):
+    """The anchor comes out of the first burst: a burst refused after it was emitted would lose it."""
+    from memra.drafters.registry import load_drafter
+    from memra.speculative.plain import PlainSession
+    from memra.speculative.session import SpecSession
+
+    want = memra.generate(model, PROMPT, 6, draft=None).tokens
+    spec = SpecSession(model, PROMPT, load_drafter("native-mtp", model), 64)
+    plain = PlainSession(model, PROMPT, 64)
+    with pytest.raises(InputError, match="target must be a non-negative integer"):
+        spec.burst(target, 3)
+    assert spec.burst(6, 3)[0][:6] == want
+    with pytest.raises(InputError, match="target must be a non-negative integer"):
+        plain.burst(target)
+    assert plain.burst(6) == want

@@ -25,7 +25,7 @@ from memra.config import DSA
 from memra.errors import InputError
 from memra.model import hyper
 from memra.model.mtp import MtpBlock
-from memra.model.stages import StagePlan
+from memra.model.stages import StagePlan, stage_devices
 from memra.model.transport import Boundary, InProcessTransport, lanes_for
 from memra.model.trunk import Glm5Model, TrunkLayer
 
@@ -51,10 +51,7 @@ class StagedGlm5Model(Glm5Model):
         if plan.num_layers != cfg.num_hidden_layers:
             raise InputError(f"the stage plan covers {plan.num_layers} layers but the model has "
                              f"{cfg.num_hidden_layers}; plan the stages for this config")
-        devices = tuple(range(plan.count)) if devices is None else tuple(devices)
-        if len(devices) != plan.count:
-            raise InputError(f"{len(devices)} stage devices {list(devices)} for {plan.count} stages; give one "
-                             "device per stage")
+        devices = stage_devices(devices, plan.count)
         self.cfg, self.be, self.placement = cfg, backend, plan
         self.lanes = lanes_for(backend, devices)
         self.transport = InProcessTransport(self.lanes) if transport is None else transport

@@ -72,6 +72,24 @@ def plan_stages(num_layers: int, stages: int = 1, stage_layers=None, balance=Non
     return StagePlan(tuple(zip(bounds, bounds[1:])))
 
 
+def stage_devices(devices, count: int) -> tuple[int, ...]:
+    """The local GPU of each of `count` stages: `devices` (one non-negative integer a stage; two
+    stages may share one), or GPU s for stage s when None."""
+    if devices is None:
+        return tuple(range(count))
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple, range, np.ndarray)):
+        raise InputError(f"devices must be a list of GPU indices, one a stage, got {devices!r:.40}")
+    devices = tuple(devices)
+    if any(isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) or d < 0 for d in devices):
+        raise InputError(f"devices {list(devices)!r:.60} must be GPU indices (integers >= 0), one a stage")
+    if len(devices) != count:
+        raise InputError(f"{len(devices)} stage devices {list(devices)} for {count} stages; give one device per stage")
+    if count == 1 and devices != (0,):
+        raise InputError(f"devices={list(devices)} places pipeline stages, and this model is one stage: choose its "
+                         "GPU with CUDA_VISIBLE_DEVICES (or cupy.cuda.Device(n).use()), or give stages > 1")
+    return tuple(int(d) for d in devices)
+
+
 def parse_stage_layers(spec, num_layers: int) -> tuple[tuple[int, int], ...]:
     """"0-3,4-7" (inclusive ranges, a lone index for a one-layer stage) or a sequence of
     half-open (start, stop) pairs -> half-open ranges, checked to cover every layer once, in order."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from memra.arguments import check_tap_layers
 from memra.config import KDA, ModelConfig
-from memra.errors import ContextOverflowError, InputError
+from memra.errors import CheckpointError, ContextOverflowError, InputError
 from memra.limits import PRIME_CHUNK, VERIFY_CAP
 from memra.memory import check_cache_fits
 
@@ -126,7 +126,8 @@ class Glm5Model:
             for layer, tapped in chunk_taps.items():
                 taps[layer].append(tapped)
         joined = lambda parts: parts[0] if len(parts) == 1 else self.be.concat(parts, axis=0)
-        return self.be.to_host(logits[-1]), joined(rows), {layer: joined(parts) for layer, parts in taps.items()}
+        last = _finite_logits(self.be.to_host(logits[-1]))
+        return last, joined(rows), {layer: joined(parts) for layer, parts in taps.items()}
 
     def decode_step(self, token_id, cache: Cache) -> np.ndarray:
         """Consume one token; returns float32 logits [vocab] for the next position."""
@@ -359,3 +360,15 @@ class Glm5Model:
                 f"{n} more tokens at position {cache.pos} would pass max_ctx "
                 f"{cache.max_ctx}; create the cache with a larger max_ctx"
             )
+
+
+def _finite_logits(row: np.ndarray) -> np.ndarray:
+    """The prompt's last logits row, or a CheckpointError: finite weights and config values can
+    still overflow float32 inside the model, and every token chosen from such rows (NaN wins an
+    argmax) would be garbage. Checked once a prompt, on the row the host reads anyway."""
+    bad = ~np.isfinite(row)
+    if bad.any():
+        raise CheckpointError(f"the logits after the prompt are not finite ({int(bad.sum())} of {row.size} "
+                              f"entries NaN or inf, the first at id {int(np.argmax(bad))}): the checkpoint's "
+                              "weights or config values overflow float32 inside the model; check them")
+    return row

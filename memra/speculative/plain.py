@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from memra.arguments import check_count
+from memra.model.tokens import check_token_ids
 from memra.speculative.metrics import SpecMetrics
 from memra.speculative.sampling import SampleStreams, SamplingParams, filtered_rows, refuse_penalties
 
@@ -36,6 +38,9 @@ class PlainSession:
 
     def burst(self, target: int, eos=()) -> list[int]:
         """Up to `target` more tokens; stops after the first token in `eos` (kept)."""
+        target = check_count(target, "target")
+        eos = check_token_ids(eos, self.model.cfg.vocab_size, "EOS id", fix="pass ids of this model's vocab",
+                              allow_empty=True)
         out: list[int] = []
         while len(out) < target and not self.done:
             if self.pending is None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memra.arguments import check_session_args
+from memra.arguments import check_count, check_session_args
 from memra.errors import InputError, MemraError
 from memra.limits import MAX_K, MIN_SESSION_ROOM, VERIFY_CAP, round_fits
 from memra.model.tokens import check_token_ids
@@ -91,6 +91,7 @@ class SpecSession:
         (tokens, drafted, accepted). May overshoot target by up to k (the caller clamps).
         After a burst that failed, the next one first hands back (alone) what the failed one
         had committed; a stopped session then refuses."""
+        target = check_count(target, "target")  # before any state moves: a refused burst loses no token
         bound = min(MAX_K, self.max_k)
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= bound:
             raise InputError(f"k={k!r} drafts per round is outside 1..={bound} (verify rows = k + 1 "

@@ -177,3 +177,12 @@ def test_ladder_stays_inside_its_band(m, cap):
     vt = ladder_vt(m, cap)
     assert min(3, cap) <= vt <= cap
     assert vt == cap or vt == max(m + 2, 3)
+
+
+@pytest.mark.parametrize("tau", ["abc", "NaN", "Infinity", -1, 1.0, True])
+@pytest.mark.parametrize("window, adapt, head", [(None, None, False), (None, False, True), ("ladder", None, True)])
+def test_a_bad_tau_is_refused_whatever_policy_ignores_it(tau, window, adapt, head):
+    """The ladder takes no tau: a bad one is still a typo the user should hear of."""
+    with pytest.raises(InputError, match="tau"):
+        resolve_window(window, tau, adapt, head)
+    assert resolve_window(window, 0.4, adapt, head).kind == LADDER

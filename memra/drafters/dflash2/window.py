@@ -85,6 +85,8 @@ def resolve_window(window=None, tau=None, adapt=None, has_confidence_head: bool 
     if adapt is not None and not isinstance(adapt, bool):
         raise InputError(f"window option adapt={adapt!r} must be True or False (False pins the ladder's "
                          "verify window at its cap)")
+    if tau is not None:  # checked whatever policy it ends up with (the ladder ignores it)
+        tau = _parse_tau(tau)
     if window is None or window == "":
         if adapt is False or not has_confidence_head:
             return WindowPolicy(LADDER, adapt=adapt is not False)
@@ -92,13 +94,11 @@ def resolve_window(window=None, tau=None, adapt=None, has_confidence_head: bool 
     if window not in WINDOWS:
         raise InputError(f"window={window!r} is not a verify-window policy: choose one of {list(WINDOWS)}")
     if window == LADDER:
-        if tau is not None:
-            _parse_tau(tau)
         return WindowPolicy(LADDER, adapt=adapt is not False)
     if adapt is False:
         raise InputError(f"window={window!r} together with adapt=False is contradictory (a per-round "
                          "confidence window vs a pinned fixed window): drop one of them")
-    return WindowPolicy(window, tau=_parse_tau(DEFAULT_TAU if tau is None else tau))
+    return WindowPolicy(window, tau=DEFAULT_TAU if tau is None else tau)
 
 
 def _parse_tau(tau) -> float:

@@ -32,6 +32,9 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([int(token)])
+
 
 class HFTokenizer:
     """A `tokenizers.Tokenizer` read from tokenizer.json."""
@@ -57,6 +60,32 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes, which may be part of a character (decode shows that as U+FFFD):
+        a byte-level BPE piece through the byte alphabet, a `<0xNN>` byte-fallback piece as its byte."""
+        from tokenizers import decoders
+
+        piece = self.tok.id_to_token(int(token)) or ""
+        if isinstance(self.tok.decoder, decoders.ByteLevel) and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([token]).encode("utf-8")
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): a printable byte stands for itself, every other byte
+    for chr(256 + n), n counting those bytes in order. Returns char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+_BYTE_OF = _byte_alphabet()
 
 
 def load_tokenizer(checkpoint_dir, vocab_size: int):

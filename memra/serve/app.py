@@ -32,6 +32,7 @@ from memra.serve.shapes import Shape
 log = logging.getLogger("memra.serve")
 POLL_S = 0.5             # how often a waiting handler checks that its client is still there
 CLIENT_GONE = 499        # the status logged for a request whose client left (nobody reads it)
+MAX_BODY_BYTES = 32 << 20  # far past any context's prompt; a larger body is refused before it is all read
 
 
 @dataclass
@@ -92,16 +93,17 @@ def create_app(engine, settings: ServeSettings | None = None) -> FastAPI:
     async def serve(request: Request, chat: bool):
         endpoint = "chat" if chat else "completions"
         try:
-            try:
-                body = json.loads(await request.body())
-            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-                raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
-            req = parse_request(engine, body, chat)
+            # parsed and tokenized off the event loop: a long prompt does not stall other clients' streams
+            req = await asyncio.to_thread(_parse, engine, await _body(request), chat)
             ticket = scheduler.submit(req.job, endpoint, asyncio.get_running_loop())
         except (ApiError, MemraError) as exc:
             exc = exc if isinstance(exc, ApiError) else ApiError(400, str(exc))
             metrics.requests.labels(endpoint=endpoint, outcome="rejected" if exc.status == 503 else "invalid").inc()
             return error(exc)
+        except Exception as exc:  # a bug: answered here, so it is counted and the connection stays usable
+            log.exception("unhandled error parsing a %s request", endpoint)
+            metrics.requests.labels(endpoint=endpoint, outcome="error").inc()
+            return error(ApiError(500, f"internal error ({type(exc).__name__}); see the server log"))
         try:
             first = await _next(scheduler, ticket, request)
         except asyncio.CancelledError:
@@ -142,6 +144,31 @@ def create_app(engine, settings: ServeSettings | None = None) -> FastAPI:
         return await serve(request, chat=True)
 
     return app
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, refused (413) once it passes MAX_BODY_BYTES, before the rest is read."""
+    size = request.headers.get("content-length", "")
+    chunks, read = [], int(size) if size.isdigit() else 0
+    if read <= MAX_BODY_BYTES:
+        read = 0
+        async for chunk in request.stream():
+            read += len(chunk)
+            if read > MAX_BODY_BYTES:
+                break
+            chunks.append(chunk)
+    if read > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB, far past any prompt "
+                            "this server's context holds: send a shorter one")
+    return b"".join(chunks)
+
+
+def _parse(engine, raw: bytes, chat: bool):
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+    return parse_request(engine, body, chat)
 
 
 async def _next(scheduler: Scheduler, ticket, request: Request):

@@ -76,6 +76,8 @@ class Engine:
         self.eos = inputs.eos_ids(SimpleNamespace(ignore_eos=False, eos=None), self.source, cfg)
         self.default_draft, self.draft_why = inputs.draft_choice(SimpleNamespace(draft=options.draft),
                                                                  self.source, cfg)
+        for note in inputs.unapplied_generation(self.source):
+            print(f"memra serve: {note}", file=err)
         self.default_k = options.num_draft_tokens
         self.default_max_tokens = options.default_max_tokens
         self.drafters, self.unavailable = _load_drafters(self.model, options, self.default_draft, self.source)

@@ -9,7 +9,8 @@ stream_options.include_usage, logprobs (completions: how many top ids; chat: a b
 top_logprobs), and memra's own: draft (a source name, or null / "none" for plain decoding),
 num_draft_tokens (K), p_min, p_min0, ignore_eos, return_token_ids. Fields that would change
 the output and that memra does not do (penalties, logit_bias, echo, suffix, tools, best_of,
-n > 1, structured output) are refused; other unknown fields are ignored, as OpenAI's are.
+n > 1, structured output, vLLM's stop_token_ids, min_tokens, bad_words and guided_*, predicted
+outputs, audio) are refused; other unknown fields are ignored, as OpenAI's are.
 Sampling defaults follow the CLI: the checkpoint's generation_config.json, else greedy.
 """
 
@@ -122,7 +123,8 @@ class _Fields:
 def _refuse_unsupported(f: _Fields) -> None:
     n = f.get("n", int, default=1)
     if n != 1:
-        raise ApiError(400, f"n={n}: memra returns one choice per request (n = 1); send {n} requests instead", "n")
+        fix = f"send {n} requests instead" if n > 1 else "drop it"
+        raise ApiError(400, f"n={n}: memra returns one choice per request (n = 1); {fix}", "n")
     if f.get("best_of", int, default=1) != 1:
         raise ApiError(400, "best_of other than 1 is not supported: drop it", "best_of")
     for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
@@ -132,7 +134,12 @@ def _refuse_unsupported(f: _Fields) -> None:
     checks = (("logit_bias", lambda v: not v), ("echo", lambda v: v is False), ("suffix", lambda v: v == ""),
               ("tools", lambda v: not v), ("functions", lambda v: not v),
               ("tool_choice", lambda v: v in ("none", "auto")),
-              ("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text"))
+              ("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text"),
+              # vLLM's and OpenAI's other fields that change the tokens
+              ("stop_token_ids", lambda v: not v), ("min_tokens", lambda v: v == 0), ("bad_words", lambda v: not v),
+              ("guided_json", lambda v: False), ("guided_regex", lambda v: False), ("guided_choice", lambda v: False),
+              ("guided_grammar", lambda v: False), ("structured_outputs", lambda v: False),
+              ("prediction", lambda v: False), ("audio", lambda v: False), ("modalities", lambda v: v == ["text"]))
     for name, fine in checks:
         value = f.body.get(name)
         if value is not None and not fine(value):
@@ -188,6 +195,11 @@ def _content(content, where: str) -> str:
 def _encode(engine, text: str, param: str) -> list[int]:
     if engine.tokenizer is None:
         raise ApiError(400, "this checkpoint has no tokenizer: send the prompt as an array of token ids", param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON's \ud800 escapes: a lone surrogate is no text
+        raise ApiError(400, f"the {param} is not valid Unicode (a lone surrogate at character {exc.start}): "
+                            "send UTF-8 text", param) from None
     ids = engine.tokenizer.encode(text)
     if not ids:
         raise ApiError(400, f"the {param} is empty after tokenization: give some text", param)
@@ -268,7 +280,7 @@ def _draft(engine, f: _Fields, job: Job) -> None:
 
 
 def _max_tokens(engine, f: _Fields, job: Job, chat: bool) -> int:
-    name = "max_completion_tokens" if chat and "max_completion_tokens" in f.body else "max_tokens"
+    name = "max_completion_tokens" if f.body.get("max_completion_tokens") is not None else "max_tokens"
     asked = f.get(name, int)
     if asked is not None and asked < 1:
         raise ApiError(400, f"{name}={asked} is out of range: ask for at least 1 token", name)

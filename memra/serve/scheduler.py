@@ -11,8 +11,9 @@ Admission: a request becomes a live session (its own cache) while fewer than max
 live; otherwise it waits in a FIFO of at most max_queue, and past that it is refused (503). The
 worker takes the live sessions round robin: a new session's first turn primes its prompt and
 emits its first token; every later turn runs one burst of burst_tokens tokens. So a short request
-is never stuck behind a long one, and the tokens never depend on the interleaving (each session
-owns its cache and its Philox counters).
+is not stuck behind a long generation (a long prompt's prefill is one turn, though, and holds the
+others up for its length), and the tokens never depend on the interleaving (each session owns its
+cache and its Philox counters).
 
 Cancellation and timeouts take effect at the next burst boundary: the session is dropped and its
 cache freed (`open_caches()` counts the caches still alive). Handlers run on the event loop;

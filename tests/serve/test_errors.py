@@ -7,7 +7,7 @@ import pytest
 from tests.serve.helpers import Server, make_engine
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
-# (path, body, status, param, code): body None sends bytes that are not JSON
+# (path, body, status, param, code): a bytes body is sent as it is
 CASES = {
     "malformed-json": ("/v1/completions", b'{"prompt": "xy",', 400, None, None),
     "not-an-object": ("/v1/completions", [1, 2], 400, None, None),
@@ -48,6 +48,21 @@ CASES = {
     "chat-top-logprobs-alone": ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),
     "chat-tools": ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", None),
     "chat-unknown-model": ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model", "model_not_found"),
+    # JSON's \ud800 escape: a lone surrogate, which no UTF-8 text holds
+    "prompt-lone-surrogate": ("/v1/completions", b'{"prompt": "a\\ud800"}', 400, "prompt", None),
+    "chat-lone-surrogate": ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+                            400, "messages", None),
+    "n-zero": ("/v1/completions", {"prompt": "xy", "n": 0}, 400, "n", None),
+    "stop-token-ids": ("/v1/completions", {"prompt": "xy", "stop_token_ids": [16]}, 400, "stop_token_ids", None),
+    "min-tokens": ("/v1/completions", {"prompt": "xy", "min_tokens": 4}, 400, "min_tokens", None),
+    "bad-words": ("/v1/completions", {"prompt": "xy", "bad_words": ["no"]}, 400, "bad_words", None),
+    "guided-json": ("/v1/completions", {"prompt": "xy", "guided_json": {"type": "object"}}, 400, "guided_json", None),
+    "guided-choice": ("/v1/completions", {"prompt": "xy", "guided_choice": ["a", "b"]}, 400, "guided_choice", None),
+    "structured-outputs": ("/v1/completions", {"prompt": "xy", "structured_outputs": {"regex": "a+"}}, 400,
+                           "structured_outputs", None),
+    "chat-audio": ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, 400, "modalities", None),
+    "chat-prediction": ("/v1/chat/completions", {**CHAT, "prediction": {"type": "content", "content": "x"}}, 400,
+                        "prediction", None),
     "chat-too-long": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 300}]}, 400,
                       "prompt", "context_length_exceeded"),
 }
@@ -106,3 +121,38 @@ def test_refusals_are_counted_by_endpoint(client):
     line = 'memra:requests_total{endpoint="chat",outcome="invalid"} '
     count = lambda text: float(next((l[len(line):] for l in text.splitlines() if l.startswith(line)), 0))  # noqa
     assert count(after) == count(before) + 1
+
+
+def count_of(client, endpoint: str, outcome: str) -> float:
+    line = f'memra:requests_total{{endpoint="{endpoint}",outcome="{outcome}"}} '
+    return float(next((l[len(line):] for l in client.get("/metrics").text.splitlines() if l.startswith(line)), 0))
+
+
+def test_a_body_past_the_cap_is_refused_before_it_is_read(client, monkeypatch):
+    from memra.serve import app
+
+    monkeypatch.setattr(app, "MAX_BODY_BYTES", 1000)
+    error = assert_openai_error(client.post("/v1/completions", json={"prompt": "x" * 2000}), 413)
+    assert "larger than" in error["message"]
+    assert client.post("/v1/completions", json={"prompt": "xy", "max_tokens": 2}).status_code == 200
+
+
+def test_a_bug_while_parsing_is_a_counted_500_and_the_connection_stays_usable(client, monkeypatch):
+    from memra.serve import app
+
+    def broken(engine, body, chat):
+        raise TypeError("a bug")
+    before = count_of(client, "completions", "error")
+    monkeypatch.setattr(app, "parse_request", broken)
+    error = assert_openai_error(client.post("/v1/completions", json={"prompt": "xy"}), 500)
+    assert error["type"] == "server_error" and "TypeError" in error["message"]
+    assert count_of(client, "completions", "error") == before + 1
+    monkeypatch.undo()
+    assert client.post("/v1/completions", json={"prompt": "xy", "max_tokens": 2}).status_code == 200
+
+
+def test_a_null_max_completion_tokens_leaves_max_tokens_in_force(client):
+    body = {**CHAT, "max_completion_tokens": None, "max_tokens": 3, "draft": None}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3

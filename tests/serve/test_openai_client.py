@@ -123,3 +123,27 @@ def test_models_lists_the_served_model_and_its_draft_sources(client, served):
     (model,) = client.models.list().data
     assert model.id == served.app.state.engine.name
     assert {"native-mtp", "dflash2"} <= set(model.model_extra["draft_sources"])
+
+
+def byte_of(spelling: str) -> int:
+    """The byte-level token a logprobs entry names: its character, or a lone byte as "bytes:\\xNN"."""
+    return int(spelling[len("bytes:\\x"):], 16) if spelling.startswith("bytes:") else ord(spelling)
+
+
+def test_logprobs_name_each_byte_piece_apart(client):
+    """Byte tokens 128..255 are no whole character alone: each decodes to U+FFFD, so named by
+    their text, a top-20 list would keep one of them. Named by their bytes, all 20 stay, and chat
+    gives each entry its own byte."""
+    r = client.completions.create(model="small", prompt=PROMPT, max_tokens=4, logprobs=20,
+                                  extra_body={"draft": None})
+    tops = r.choices[0].logprobs.top_logprobs
+    assert len(tops) == 4 and all(len(top) == 20 for top in tops)
+    lists = [[byte_of(s) for s in top] for top in tops]
+    assert all(len(set(ids)) == 20 and all(0 <= i < 256 for i in ids) for ids in lists)
+    # named by their text (all U+FFFD), two such pieces would have shared one key
+    assert any(sum(i >= 128 for i in ids) >= 2 for ids in lists), "no list to bite on: pick another prompt"
+    c = client.chat.completions.create(model="small", messages=MESSAGES, max_tokens=4, logprobs=True,
+                                       top_logprobs=20, extra_body={"draft": None})
+    for entry in c.choices[0].logprobs.content:
+        for e in (entry, *entry.top_logprobs):
+            assert e.bytes == [byte_of(e.token)]

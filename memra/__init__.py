@@ -66,7 +66,7 @@ def load_ranked(path: str | os.PathLike, backend: str = "cuda", environ=None):
     from memra.memory_plan import balanced_split, checkpoint_weight_bytes
     from memra.model.comms import NcclComm, launcher_env
     from memra.model.ranks import RankedGlm5Model, stage_tensors
-    from memra.model.stages import plan_stages, stage_devices
+    from memra.model.stages import plan_stages
 
     env = launcher_env(environ)
     be = get_backend(backend)

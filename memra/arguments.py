@@ -66,12 +66,11 @@ def check_k(k, bound: int = MAX_K, why: str = "", name: str = "num_draft_tokens"
     return int(k)
 
 
-def check_draft_k(k: int, drafter, source: str) -> int:
-    """K against the loaded draft source's own bound (`max_k`, at most MAX_K)."""
-    bound = getattr(drafter, "max_k", MAX_K)
-    if not _is_int(bound) or bound >= MAX_K:  # a malformed max_k is the session's to refuse, by name
+def check_draft_k(k: int, max_k: int, source: str) -> int:
+    """K against the loaded draft source's own bound (its max_k, as contract.check_drafter read it)."""
+    if max_k >= MAX_K:
         return check_k(k)
-    return check_k(k, int(bound), why=f"draft source {source!r} makes at most {bound} drafts per round")
+    return check_k(k, max_k, why=f"draft source {source!r} makes at most {max_k} drafts per round")
 
 
 def check_probability(p, name: str) -> float:

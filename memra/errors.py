@@ -32,3 +32,13 @@ class ResidencyError(MemraError):
 class BackendError(MemraError):
     """The compute backend cannot run what was asked: it is unavailable on this machine, or a rank
     of a model split over processes failed (memra.model.ranks)."""
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: message` of an exception someone else raised (a plugin's), even one whose own
+    __str__ fails."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "(its message could not be read)"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

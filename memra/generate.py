@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from memra.arguments import check_draft_k, check_fits_context, check_request
 from memra.limits import spec_context
 from memra.memory import context_limit
+from memra.speculative.contract import check_drafter
 from memra.speculative.metrics import SpecMetrics
 from memra.speculative.plain import PlainSession
 from memra.speculative.session import SpecSession
@@ -47,8 +48,8 @@ def generate(model, prompt_ids, max_new_tokens: int, draft: str | None = None, n
                         p_min, pmin0, on_tokens)
     prompt, max_new_tokens, sampling, eos, k = req.prompt, req.max_new_tokens, req.sampling, req.eos, req.k
     drafter = None if req.draft is None else load_drafter(req.draft, model, req.draft_options)
-    if drafter is not None:
-        check_draft_k(k, drafter, req.draft)
+    if drafter is not None:  # its declared max_k read once, guarded and checked, before K is judged by it
+        check_draft_k(k, check_drafter(drafter, req.draft)[0], req.draft)
     # a speculative round may run k + slack positions past the last token
     check_fits_context(req, *context_limit(model.cfg, model.be), 0 if drafter is None else spec_context(0, 0, k))
     out: list[int] = []

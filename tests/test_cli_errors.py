@@ -56,6 +56,7 @@ CASES = [
     (["--backend", "cuda"], None),  # refused on a machine without a GPU (skipped where one is usable)
     (["--draft", "none", "--top-p", "0.5"], "--top-p is for sampled decoding, and this run is greedy"),
     (["--seed", "5", "--min-p", "0.1"], "--min-p and --seed are for sampled decoding"),
+    (["--draft-option", "d2t=null", "--draft-option", "d2t=null"], "--draft-option d2t is given twice"),
 ]
 
 

@@ -229,6 +229,8 @@ def draft_choice(args, source: Source, cfg) -> tuple[str | None, str]:
 def draft_options(pairs) -> dict | None:
     options = {}
     for key, value in pairs:
+        if key in options:
+            raise UsageError(f"--draft-option {key} is given twice: give each option once")
         try:  # the guarded parser: a value nested past its bound stays a string, never a RecursionError
             options[key] = parse_json(value, f"--draft-option {key}", ValueError)
         except ValueError:

@@ -27,7 +27,7 @@ import os
 import pluggy
 
 from memra.drafters import builtin, hookspecs
-from memra.errors import InputError, MemraError
+from memra.errors import InputError, MemraError, describe
 from memra.speculative.contract import label_source
 
 ENTRY_POINT_GROUP = "memra.drafters"
@@ -171,6 +171,9 @@ def _gather(pm: pluggy.PluginManager) -> tuple[dict, dict]:
         def register(name, source, origin=origin, staged=staged, problems=problems):
             if not isinstance(name, str) or not name:
                 problems.append(f"registered a draft source under {name!r}: names are non-empty strings")
+            elif not _usable_name(name):
+                problems.append(f"registered a draft source under {name!r}, which --draft and --drafts cannot name: "
+                                "use letters, digits, '-', '_' and '.' (and not 'none', which means plain decoding)")
             elif isinstance(source, type) or not callable(getattr(source, "load", None)):
                 problems.append(f"registered draft source {name!r} as {_short(source)}: register an object with "
                                 "load(model, options) (an instance, not a class)")
@@ -195,6 +198,12 @@ def _gather(pm: pluggy.PluginManager) -> tuple[dict, dict]:
     return table, failures
 
 
+def _usable_name(name: str) -> bool:
+    """A name every front door can pass: no space, ',' or ':' (the server's lists and SOURCE:KEY=VALUE
+    options split on them), and not a spelling of 'none' (plain decoding)."""
+    return name.lower() != "none" and all(c.isalnum() or c in "-_." for c in name)
+
+
 def _dists(pm: pluggy.PluginManager) -> dict:
     return {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
 
@@ -209,7 +218,7 @@ def _origin(pm: pluggy.PluginManager, plugin, dists: dict) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
-    return _clip(f"{type(exc).__name__}: {exc}")
+    return _clip(describe(exc))
 
 
 def _clip(text: str) -> str:

@@ -147,5 +147,16 @@ def launcher_env(environ=None) -> dict:
     if missing:
         raise InputError(f"a ranked run needs the launcher's {missing}: start one process per GPU with torchrun "
                          "(or srun), which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT")
-    return {"rank": int(env["RANK"]), "world": int(env["WORLD_SIZE"]), "local": int(env.get("LOCAL_RANK", 0)),
-            "host": env["MASTER_ADDR"], "port": int(env["MASTER_PORT"])}
+    def number(key: str, default=None) -> int:
+        text = env.get(key, default)
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            value = -1
+        if value < 0:
+            raise InputError(f"{key}={text!r} must be a non-negative integer, as the launcher (torchrun, srun) "
+                             "sets it: start the ranks with one")
+        return value
+
+    return {"rank": number("RANK"), "world": number("WORLD_SIZE"), "local": number("LOCAL_RANK", "0"),
+            "host": env["MASTER_ADDR"], "port": number("MASTER_PORT")}

@@ -26,6 +26,7 @@ from memra.limits import MAX_K
 
 PROG = "memra serve"
 EXIT_REFUSED = 2
+EXIT_INTERRUPTED = 130
 FORCE_AFTER_S = 5.0    # past the grace period, how long uvicorn waits before it cuts connections
 
 
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_placement_flags(src)
     src.add_argument("--max-ctx", type=number_arg(int, "--max-ctx", lo=2, why="must be an integer >= 2"), metavar="N",
                      help="context cap per request, prompt + generated (default: max_position_embeddings)")
-    src.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: the "
+    src.add_argument("--served-model-name", metavar="NAME", type=_model_name, help="the model id clients send (default: the "
                      "checkpoint directory's name, memra-demo for the demo)")
     src.add_argument("--default-max-tokens", type=pos("--default-max-tokens"), default=256, metavar="N",
                      help="max_tokens when a request leaves it out (default 256, lowered to fit the context)")
@@ -96,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _model_name(text: str) -> str:
+    if not text.strip() or not text.isprintable():
+        raise UsageError(f"--served-model-name {text!r}: a model id clients can send is printable text, not "
+                         "empty or blank")
+    return text
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     err = sys.stderr
@@ -104,6 +112,9 @@ def main(argv=None) -> int:
         return _serve(args, err)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:  # Ctrl-C while the model loads or warms up (uvicorn handles it once serving)
+        print("memra serve: interrupted before serving", file=err)
+        return EXIT_INTERRUPTED
     except (UsageError, MemraError) as exc:
         if "--debug" in argv:
             traceback.print_exc(file=err)

@@ -79,6 +79,11 @@ class Engine:
         for note in inputs.unapplied_generation(self.source):
             print(f"memra serve: {note}", file=err)
         self.default_k = options.num_draft_tokens
+        least = spec_context(2, 1, self.default_k)  # a 2-token prompt and one token, speculatively
+        if self.default_draft is not None and self.max_ctx < least:
+            raise InputError(f"--max-ctx {self.max_ctx} cannot hold a speculative round of the default draft source "
+                             f"{self.default_draft!r} at K={self.default_k} (it needs at least {least} positions): "
+                             f"give --max-ctx {least} or more, or --draft none")
         self.default_max_tokens = options.default_max_tokens
         self.drafters, self.unavailable = _load_drafters(self.model, options, self.default_draft, self.source)
         name = options.served_model_name

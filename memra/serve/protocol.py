@@ -289,9 +289,11 @@ def _max_tokens(engine, f: _Fields, job: Job, chat: bool) -> int:
     room = ctx - n - reserve
     why = f" ({reserve} positions stay free for a speculative round)" if reserve else ""
     if room < 1:
+        fixes = [f"shorten the prompt to at most {ctx - reserve - 1} tokens"] if ctx - reserve > 1 else []
+        if reserve:
+            fixes.append("send draft: null (plain decoding keeps no positions free)")
         raise ApiError(400, f"the prompt is {n} tokens and the context is {ctx}{why}, which leaves no room to "
-                            f"generate: shorten the prompt to at most {ctx - reserve - 1} tokens", "prompt",
-                       "context_length_exceeded")
+                            f"generate: {' or '.join(fixes)}", "prompt", "context_length_exceeded")
     if asked is not None and asked > room:
         raise ApiError(400, f"{name}={asked} does not fit: the context is {ctx} tokens and the prompt takes {n}"
                             f"{why}, leaving {room}; lower {name} or shorten the prompt", name,

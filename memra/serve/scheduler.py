@@ -31,7 +31,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
-from memra.errors import MemraError
+from memra.errors import MemraError, describe
 from memra.serve.metrics import EMPTY, ServeMetrics
 from memra.serve.protocol import ApiError, Job
 from memra.serve.runs import open_run, token_logprobs
@@ -202,9 +202,10 @@ class Scheduler:
         except MemraError as exc:
             self._fail(entry, ApiError(400, str(exc)), "error")
             return False
-        except Exception as exc:  # a bug: the request fails, the server and the other sessions go on
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # a bug (in this worker, no signal raises
+            # these): the request fails, the worker, the server and the other sessions go on
             log.exception("request %d failed", ticket.id)
-            self._fail(entry, ApiError(500, f"internal error ({type(exc).__name__}: {exc}); see the server log"),
+            self._fail(entry, ApiError(500, f"internal error ({describe(exc)}); see the server log"),
                        "error")
             return False
         if update.finish_reason is not None:  # account (and free the cache) before the client hears

@@ -34,7 +34,7 @@ from typing import Protocol
 
 import numpy as np
 
-from memra.errors import InputError
+from memra.errors import InputError, describe
 from memra.limits import MAX_K
 from memra.model.tokens import check_token_ids
 from memra.speculative.sampling import DraftSampling, SamplingParams
@@ -160,7 +160,7 @@ def check_drafter(drafter, source: str) -> tuple[int, tuple[int, ...]]:
         try:
             return getattr(drafter, name, default)
         except Exception as exc:
-            raise InputError(f"{source}: reading {name} raised {type(exc).__name__}: {exc}") from exc
+            raise InputError(f"{source}: reading {name} raised {describe(exc)}") from exc
 
     max_k = read("max_k", MAX_K)
     if isinstance(max_k, bool) or not isinstance(max_k, (int, np.integer)) or max_k < 1:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memra.arguments import check_count, check_session_args
-from memra.errors import InputError, MemraError
+from memra.errors import InputError, MemraError, describe
 from memra.limits import MAX_K, MIN_SESSION_ROOM, VERIFY_CAP, round_fits
 from memra.model.tokens import check_token_ids
 from memra.speculative.accept import conf_keep, greedy_accept
@@ -205,13 +205,13 @@ class SpecSession:
             taps = {layer: rows_[:keep] for layer, rows_ in ckpt.taps.items()}
             progress["committing"] = True
             call_source(self.source, "commit", self.state.commit,
-                        RoundOutcome(rows[:keep], bonus, drafts, collapsed[:keep], taps))
+                        RoundOutcome(rows[:keep], bonus, list(drafts), collapsed[:keep], taps))  # its own copy
         return rows, drafts, keep, bonus
 
     def _undo(self, progress: dict, exc: BaseException) -> None:
         """Put the cache back where the round found it; stop the session if that is impossible
         or if the source's commit failed (its state is then out of step with the session)."""
-        why = str(exc) if isinstance(exc, MemraError) else f"{type(exc).__name__}: {exc}"
+        why = str(exc) if isinstance(exc, MemraError) else describe(exc)
         if progress["started"]:
             try:
                 if progress["ckpt"] is None:
@@ -251,5 +251,5 @@ def call_source(source: str, what: str, fn, *args):
         except Exception:
             err = InputError(f"{source}: {what}: {exc}")
         raise err from exc
-    except Exception as exc:
-        raise InputError(f"{source}: {what} raised {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # a plugin calling sys.exit is its failure, not the process's
+        raise InputError(f"{source}: {what} raised {describe(exc)}") from exc

@@ -317,5 +317,8 @@ def test_a_ranked_run_without_the_launchers_environment_or_a_gpu_backend_is_refu
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     with pytest.raises(InputError, match="load_model\\(path, stages=N\\)"):
         memra.load_ranked(ckpt_dir, backend="numpy", environ=env)
+    for key, value in (("RANK", "abc"), ("LOCAL_RANK", "x"), ("MASTER_PORT", "-1"), ("WORLD_SIZE", "2.0")):
+        with pytest.raises(InputError, match=f"{key}='{value}' must be a non-negative integer"):
+            launcher_env({**env, key: value})
     assert launcher_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}) == \
         {"rank": 1, "world": 2, "local": 0, "host": "h", "port": 29500}

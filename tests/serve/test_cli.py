@@ -181,3 +181,20 @@ def test_sigterm_past_the_grace_period_ends_the_stream_with_a_503_event_and_exit
     tokens = sum(len(e["choices"][0]["token_ids"]) for e in out["events"] if "choices" in e)
     assert out.get("done") and out["events"][-1]["error"]["code"] == "shutting_down" and tokens < 1000
     assert not any("Traceback" in line for line in server.err), "".join(server.err)
+
+
+@pytest.mark.parametrize("name", ["", "   ", "a\nb"])
+def test_a_served_model_name_clients_cannot_send_is_refused(name):
+    proc = subprocess.run([sys.executable, "-m", "memra.serve", "--served-model-name", name], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--served-model-name" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_ctrl_c_before_serving_is_one_line(monkeypatch, capsys):
+    from memra.serve import cli
+
+    def interrupted(args, err):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_serve", interrupted)
+    assert cli.main([]) == 130
+    assert capsys.readouterr().err == "memra serve: interrupted before serving\n"

@@ -102,3 +102,21 @@ def test_a_staged_engine_serves_the_unsplit_models_tokens(model, small_dir, stag
         reply = client.post("/v1/completions", json=body)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["token_ids"] == expected
+
+
+def test_a_context_too_short_for_the_default_draft_source_is_refused_at_start(small_dir):
+    from tests.serve.helpers import make_engine
+    from memra.errors import InputError
+
+    with pytest.raises(InputError, match="--max-ctx 10 cannot hold a speculative round .* give --max-ctx 15 or more"):
+        make_engine(small_dir, max_ctx=10)
+
+
+def test_a_prompt_past_the_room_gets_fixes_that_can_be_made(small_dir):
+    from tests.serve.helpers import Server, make_engine
+
+    server = Server(make_engine(small_dir, max_ctx=16))
+    with server.client() as c:
+        message = c.post("/v1/completions", json={"prompt": [1, 2, 3, 4, 5]}).json()["error"]["message"]
+    server.close()
+    assert "shorten the prompt to at most 3 tokens or send draft: null" in message

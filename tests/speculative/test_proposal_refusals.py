@@ -10,7 +10,6 @@ import re
 import numpy as np
 import pytest
 
-from memra import load_model
 from memra.drafters import registry
 from memra.drafters.hookspecs import hookimpl
 from memra.errors import InputError
@@ -18,25 +17,10 @@ from memra.speculative.contract import DenseQ, Proposal, SparseQ, label_source
 from memra.speculative.sampling import SamplingParams
 from memra.speculative.session import SpecSession
 
-from .battery import MAX_CTX, full_state, plain_tape, prompt_ids, run_bursts, state_diff
+from .battery import MAX_CTX, full_state, run_bursts, state_diff
 
 K = 3
 LABEL = "draft source 'scripted' (test)"
-
-
-@pytest.fixture(scope="module")
-def mini(fixture_dir):
-    return load_model(fixture_dir("mini"), backend="numpy")
-
-
-@pytest.fixture(scope="module")
-def prompt(mini):
-    return prompt_ids(mini)
-
-
-@pytest.fixture(scope="module")
-def tape(mini, prompt):
-    return plain_tape(mini, prompt, 60)
 
 
 class Scripted:

@@ -82,7 +82,7 @@ def check_quantization_config(path: str) -> None:
         problems.append(f"quant_method {qc.get('quant_method')!r}")
     if qc.get("fmt", "e4m3") != "e4m3":
         problems.append(f"fmt {qc.get('fmt')!r}")
-    if list(qc.get("weight_block_size", [BLOCK, BLOCK]) or ()) != [BLOCK, BLOCK]:
+    if qc.get("weight_block_size", [BLOCK, BLOCK]) != [BLOCK, BLOCK]:  # a list equal to it, nothing else
         problems.append(f"weight_block_size {qc.get('weight_block_size')!r} (per-tensor or per-channel scales)")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         problems.append(f"activation_scheme {qc.get('activation_scheme')!r}")
@@ -116,7 +116,7 @@ def _scale_problem(raw_scale: str, dtype: str, scale, weight_shape) -> str | Non
 def pair_scales(got: dict, dtypes: dict, source: dict, census, cfg: ModelConfig) -> None:
     """Replace every F8_E4M3 entry of `got` (canonical name -> (shape, array)) by an Fp8Block with
     its scales and drop the scale entries; every offender goes to the census as FP8_KIND."""
-    for name in [n for n, d in dtypes.items() if d == "F8_E4M3"]:
+    for name in [n for n, d in dtypes.items() if d == "F8_E4M3" and not n.endswith(SCALE_SUFFIX)]:
         shape, data = got.pop(name)
         raw, scale_name = source[name], name + SCALE_SUFFIX
         if scale_name not in got:

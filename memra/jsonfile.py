@@ -73,33 +73,44 @@ def parse_json(raw: bytes | str, where: str, error=ConfigError, fix: str = "fix 
         raise error(f"{where} is not valid JSON ({str(exc)[:160]}); {fix}") from None
 
 
-def read_json_object(path, error=ConfigError, fix: str = "fix or re-export it", absent=None,
-                     io_error=None) -> dict:
-    """The JSON object in file `path`. `absent` (e.g. {}) is returned when the file does not
-    exist; otherwise a missing, unreadable (`io_error`, default `error`), oversized, non-regular,
-    non-UTF-8, too deeply nested, malformed or non-object file raises `error` naming it."""
+def read_small_file(path, limit: int, what: str, error=ConfigError, fix: str = "fix or re-export it",
+                    io_error=None) -> bytes | None:
+    """The bytes of file `path` (None when it does not exist), or `error` (`io_error` for what the
+    file system says) naming it: not a regular file (a FIFO or a device would block or never end),
+    unreadable, or past `limit` bytes (`what` names the kind of file in that message)."""
     path = os.fspath(path)
     io_error = io_error or error
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        if absent is not None:
-            return absent
-        raise io_error(f"{path} does not exist; {fix}") from None
+        return None
     except OSError as exc:
         raise io_error(f"cannot read {path} ({exc.strerror or exc}); {fix}") from None
-    if not stat.S_ISREG(info.st_mode):  # a FIFO or a device would block or never end
+    if not stat.S_ISREG(info.st_mode):
         raise io_error(f"{path} is not a regular file; {fix}")
-    if info.st_size > MAX_JSON_BYTES:
-        raise error(f"{path} is {info.st_size} bytes, past the {MAX_JSON_BYTES}-byte bound for a JSON file; {fix}")
+    if info.st_size > limit:
+        raise error(f"{path} is {info.st_size} bytes, past the {limit}-byte bound for {what}; {fix}")
     try:
         with open(path, "rb") as f:
-            raw = f.read(MAX_JSON_BYTES + 1)  # the file may have grown since the stat
+            raw = f.read(limit + 1)  # the file may have grown since the stat
     except OSError as exc:
         raise io_error(f"cannot read {path} ({exc.strerror or exc}); {fix}") from None
-    if len(raw) > MAX_JSON_BYTES:
-        raise error(f"{path} is past the {MAX_JSON_BYTES}-byte bound for a JSON file; {fix}")
-    value = parse_json(raw, path, error, fix)
+    if len(raw) > limit:
+        raise error(f"{path} is past the {limit}-byte bound for {what}; {fix}")
+    return raw
+
+
+def read_json_object(path, error=ConfigError, fix: str = "fix or re-export it", absent=None,
+                     io_error=None) -> dict:
+    """The JSON object in file `path`. `absent` (e.g. {}) is returned when the file does not
+    exist; otherwise a missing, unreadable (`io_error`, default `error`), oversized, non-regular,
+    non-UTF-8, too deeply nested, malformed or non-object file raises `error` naming it."""
+    raw = read_small_file(path, MAX_JSON_BYTES, "a JSON file", error, fix, io_error)
+    if raw is None:
+        if absent is not None:
+            return absent
+        raise (io_error or error)(f"{os.fspath(path)} does not exist; {fix}")
+    value = parse_json(raw, os.fspath(path), error, fix)
     if not isinstance(value, dict):
         raise error(f"{path} must hold a JSON object, got {type(value).__name__}; {fix}")
     return value

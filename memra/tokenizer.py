@@ -15,8 +15,10 @@ from __future__ import annotations
 import os
 
 from memra.errors import CheckpointError
+from memra.jsonfile import read_small_file
 
 TOKENIZER_FILE = "tokenizer.json"
+MAX_TOKENIZER_BYTES = 256 << 20  # the largest public tokenizer.json files are tens of MiB
 BYTE_VOCAB = 256
 REPLACEMENT = "\ufffd"
 
@@ -44,11 +46,12 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError:  # a core dependency; only a broken install lands here
             raise CheckpointError(f"{path} needs the `tokenizers` package: pip install tokenizers") from None
+        fix = "re-export tokenizer.json, or use --prompt-ids"
+        raw = read_small_file(path, MAX_TOKENIZER_BYTES, "a tokenizer.json", CheckpointError, fix)
         try:
-            self.tok = Tokenizer.from_file(path)
+            self.tok = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as exc:  # tokenizers raises plain Exception on a bad file
-            raise CheckpointError(f"{path} could not be read as a tokenizer ({_one_line(exc)}): "
-                                  "re-export tokenizer.json, or use --prompt-ids") from None
+            raise CheckpointError(f"{path} could not be read as a tokenizer ({_one_line(exc)}): {fix}") from None
         size = self.tok.get_vocab_size(with_added_tokens=True)
         if size > vocab_size:
             raise CheckpointError(f"{path} has {size} tokens but the model's vocab is {vocab_size}: the "

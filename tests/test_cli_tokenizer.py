@@ -3,6 +3,7 @@ byte-level fallback; streaming that never splits a multi-byte character; generat
 defaults; tokenizer refusals."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from memra.checkpoint import write_fixture
 from memra.config import preset
+from memra.errors import CheckpointError
 from memra.tokenizer import ByteTokenizer, HFTokenizer, TextStream, load_tokenizer
 
 CORPUS = [("Grüße aus Köln! naïve café, 日本語のテキスト, emoji 🙂🚀 and plain ASCII words: "
@@ -137,3 +139,19 @@ def test_bpe_stream_equals_the_whole_decode(tmp_path_factory, ids, cuts):
     tok = HFTokenizer(str(path), 256)
     prompt = tok.encode("fox ")
     assert _stream(tok.decode, prompt, ids, cuts)[1] == tok.decode(ids)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory", "not-utf8"])
+def test_a_tokenizer_json_that_is_no_readable_file_is_refused_not_waited_on(tmp_path, kind):
+    """A FIFO would block the load forever and /dev/zero would fill the memory."""
+    path = tmp_path / "tokenizer.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b'{"model": "\xff"}')
+    with pytest.raises(CheckpointError, match="not a regular file" if kind != "not-utf8" else "could not be read"):
+        load_tokenizer(tmp_path, 256)

@@ -17,6 +17,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+import numpy as np
+
 from memra.cli import inputs
 from memra.cli.args import UsageError, parse_args
 from memra.cli.plan import plan_command, run_plan
@@ -47,7 +49,8 @@ def main(argv=None) -> int:
             return _list_drafters(out)
         if args.plan:
             return plan_command(args, out, err)
-        return _run(args, out, err, held)
+        with np.errstate(all="ignore"):  # float overflow is judged by memra's own checks, not as warnings
+            return _run(args, out, err, held)
     except SystemExit as exc:           # --help, --version
         return exc.code if isinstance(exc.code, int) else 0
     except KeyboardInterrupt:

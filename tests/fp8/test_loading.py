@@ -112,6 +112,7 @@ REFUSALS = {
     "per-channel scale": ({Q_A + "_scale_inv": _scale((32,))}, "per-channel scales of shape \\[32\\]"),
     "misshaped grid": ({Q_A + "_scale_inv": _scale((1, 2))}, "a scale grid of shape \\[1, 2\\].*shape \\[1, 1\\]"),
     "bf16 scale": ({Q_A + "_scale_inv": ("BF16", (1, 1), b"\x80\x3f")}, "are BF16, memra reads F32 scales"),
+    "e4m3 scale": ({Q_A + "_scale_inv": ("F8_E4M3", (1, 1), b"\x38")}, "are F8_E4M3, memra reads F32 scales"),
     "zero scale": ({Q_A + "_scale_inv": _scale((1, 1), 0.0)}, "1 scales that are not finite and positive"),
     "negative scale": ({Q_A + "_scale_inv": _scale((1, 1), -2.0)}, "not finite and positive"),
     "nan scale": ({Q_A + "_scale_inv": _scale((1, 1), np.nan)}, "not finite and positive"),
@@ -143,6 +144,8 @@ def test_each_unreadable_fp8_kind_is_refused_by_name(fp8_dir, tmp_path, case):
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2'"),
     ({"quant_method": "fp8", "weight_block_size": None}, "weight_block_size None"),
     ({"quant_method": "fp8", "weight_block_size": [1, 128]}, "weight_block_size \\[1, 128\\]"),
+    ({"quant_method": "fp8", "weight_block_size": 128}, "weight_block_size 128"),
+    ({"quant_method": "fp8", "weight_block_size": True}, "weight_block_size True"),
     ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme 'static'"),
 ])
 def test_a_quantization_config_other_than_fine_grained_fp8_is_refused(fp8_dir, tmp_path, qc, named):

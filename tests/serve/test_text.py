@@ -99,3 +99,46 @@ def test_a_template_that_raises_refuses_the_request_by_its_message():
 
 def test_no_template_file_means_the_plain_template(tmp_path):
     assert ChatTemplate.load(str(tmp_path)).template is None
+
+
+@pytest.mark.parametrize("source, bound", [
+    ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}x", "loops ask for more"),
+    ("{{ 'x' * 4000000000 }}", "repeats a sequence past"),   # folded at compile time, were '*' not intercepted
+    ("{{ 2 ** 100000000 }}", "raises to a power past"),
+    ("{% for a in range(100000) %}{{ 'y' * 200 }}{% endfor %}", "rendered prompt passes"),
+])
+def test_a_template_past_the_render_bounds_is_refused_quickly(source, bound):
+    pytest.importorskip("jinja2")
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(InputError, match=bound):
+        ChatTemplate(source).render([{"role": "user", "content": "x"}])
+    assert time.monotonic() - start < 5
+    assert ChatTemplate("{% for a in range(3) %}{{ a }}{% endfor %}").render([]) == "012"  # loops still run
+
+
+@pytest.mark.parametrize("kind", ["not-utf8", "directory", "fifo"])
+def test_a_template_file_that_cannot_be_read_is_a_config_error(tmp_path, kind):
+    import os
+
+    from memra.errors import ConfigError
+
+    path = tmp_path / "chat_template.jinja"
+    if kind == "not-utf8":
+        path.write_bytes(b"\xff\xfe{{ x }}")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
+    with pytest.raises(ConfigError, match="chat_template.jinja"):
+        ChatTemplate.load(str(tmp_path))
+
+
+def test_named_templates_without_a_default_are_refused(tmp_path):
+    from memra.errors import ConfigError
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "tool_use",
+                                                                                    "template": "{{ 1 }}"}]}))
+    with pytest.raises(ConfigError, match="none named 'default'"):
+        ChatTemplate.load(str(tmp_path))

@@ -161,3 +161,12 @@ def test_max_ctx_past_what_memory_holds_is_refused_with_the_number_that_fits(sma
     assert cli_main.main(["--checkpoint", small, "--prompt-ids", "1,2,3", "-n", "1000", "--json"]) == 0
     out, err = capsys.readouterr()
     assert "--max-new-tokens 1000 lowered to 75" in err and json.loads(out.splitlines()[-1])["new_tokens"] <= 75
+
+
+def test_an_oserror_that_is_not_the_output_is_an_internal_error_line(monkeypatch, capsys):
+    def broken(*args):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(cli_main, "_run", broken)
+    assert cli_main.main(["--prompt-ids", "1,2", "-n", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("memra: internal error: PermissionError") and err.count("\n") == 1

@@ -244,10 +244,7 @@ def check_plain_flags(args, draft) -> None:
         return
     given = [flag for flag, value in (("--num-draft-tokens", args.num_draft_tokens),
                                       ("--draft-option", args.draft_option), ("--p-min", args.p_min)) if value]
-    if given:
-        one = len(given) == 1
-        raise UsageError(f"{' and '.join(given)} {'is' if one else 'are'} for speculative decoding, and this run "
-                         f"is plain: drop {'it' if one else 'them'} or choose a draft source with --draft NAME")
+    _refuse_given(given, "speculative", "plain", "choose a draft source with --draft NAME")
 
 
 def check_greedy_flags(args, sampling) -> None:
@@ -256,10 +253,14 @@ def check_greedy_flags(args, sampling) -> None:
         return
     given = [f"--{name.replace('_', '-')}" for name in ("top_k", "top_p", "min_p", "seed")
              if getattr(args, name) is not None]
-    if given:
-        one = len(given) == 1
-        raise UsageError(f"{' and '.join(given)} {'is' if one else 'are'} for sampled decoding, and this run is "
-                         f"greedy: drop {'it' if one else 'them'} or give --temperature T > 0")
+    _refuse_given(given, "sampled", "greedy", "give --temperature T > 0")
+
+
+def _refuse_given(flags: list[str], needs: str, run: str, fix: str) -> None:
+    if flags:
+        one = len(flags) == 1
+        raise UsageError(f"{' and '.join(flags)} {'is' if one else 'are'} for {needs} decoding, and this run is "
+                         f"{run}: drop {'it' if one else 'them'} or {fix}")
 
 
 # generation_config.json keys that change transformers' tokens and that memra does not apply, each

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         return 0
     except OSError as exc:
         if exc.errno not in OUTPUT_ERRNOS:
-            raise
+            return _internal_error(exc, err, debug)
         print(f"memra: cannot write the output ({exc.strerror}): free some space, or redirect stdout elsewhere",
               file=err)
         return 1
@@ -76,12 +76,17 @@ def main(argv=None) -> int:
                 print(f"  {line}", file=err)
         print(f"memra: {one_line(exc)}", file=err)
         return EXIT_REFUSED
-    except Exception as exc:  # a bug, not a refusal: say so, and how to see it
-        if debug:
-            traceback.print_exc(file=err)
-        print(f"memra: internal error: {type(exc).__name__}: {one_line(exc)} (run with --debug for the "
-              "traceback, and please report it)", file=err)
-        return 1
+    except Exception as exc:
+        return _internal_error(exc, err, debug)
+
+
+def _internal_error(exc: Exception, err, debug: bool) -> int:
+    """A bug, not a refusal: say so, and how to see it."""
+    if debug:
+        traceback.print_exception(exc, file=err)
+    print(f"memra: internal error: {type(exc).__name__}: {one_line(exc)} (run with --debug for the "
+          "traceback, and please report it)", file=err)
+    return 1
 
 
 @dataclass

@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_placement_flags(src)
     src.add_argument("--max-ctx", type=number_arg(int, "--max-ctx", lo=2, why="must be an integer >= 2"), metavar="N",
                      help="context cap per request, prompt + generated (default: max_position_embeddings)")
-    src.add_argument("--served-model-name", metavar="NAME", type=_model_name, help="the model id clients send (default: the "
-                     "checkpoint directory's name, memra-demo for the demo)")
+    src.add_argument("--served-model-name", metavar="NAME", type=_model_name, help="the model id clients send "
+                     "(default: the checkpoint directory's name, memra-demo for the demo)")
     src.add_argument("--default-max-tokens", type=pos("--default-max-tokens"), default=256, metavar="N",
                      help="max_tokens when a request leaves it out (default 256, lowered to fit the context)")
 

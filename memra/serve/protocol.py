@@ -89,7 +89,7 @@ def parse_request(engine, body, chat: bool) -> Request:
     if f.get("ignore_eos", bool, default=False):
         job.eos = ()
     _draft(engine, f, job)
-    job.max_tokens = _max_tokens(engine, f, job, chat)
+    job.max_tokens = _max_tokens(engine, f, job)
     return Request(chat, job, stream, include_usage, bool(f.get("return_token_ids", bool, default=False)))
 
 
@@ -279,7 +279,7 @@ def _draft(engine, f: _Fields, job: Job) -> None:
     job.p_min, job.pmin0 = p_min or 0.0, pmin0
 
 
-def _max_tokens(engine, f: _Fields, job: Job, chat: bool) -> int:
+def _max_tokens(engine, f: _Fields, job: Job) -> int:
     name = "max_completion_tokens" if f.body.get("max_completion_tokens") is not None else "max_tokens"
     asked = f.get(name, int)
     if asked is not None and asked < 1:

@@ -74,7 +74,8 @@ def test_a_duplicate_name_sets_the_later_plugin_aside_and_the_builtin_keeps_it(p
     (7, NativeMtpSource(), "names are non-empty strings"),
     ("cls", NativeMtpSource, "an instance, not a class"),
     ("no-load", object(), "load\\(model, options\\)"),
-    *[(name, NativeMtpSource(), "which --draft and --drafts cannot name") for name in ("none", "None", " ", "a,b", "x:y")],
+    *[(name, NativeMtpSource(), "which --draft and --drafts cannot name")
+      for name in ("none", "None", " ", "a,b", "x:y")],
 ])
 def test_malformed_registrations_set_the_plugin_aside(plugged, name, source, message):
     plugged(Registers((name, source)), "bad-plugin")

@@ -168,3 +168,26 @@ def test_a_refused_burst_target_moves_no_session(model, target):
     with pytest.raises(InputError, match="target must be a non-negative integer"):
         plain.burst(target)
     assert plain.burst(6) == want
+
+
+def test_a_plain_session_ends_at_a_full_cache_keeping_what_it_made(model):
+    """As SpecSession at its context guard: the burst stops (done) instead of raising and losing its
+    tokens. With max_ctx = prompt + 5 a session holds the prime's token and five decoded ones."""
+    from memra.speculative.plain import PlainSession
+
+    session = PlainSession(model, PROMPT, len(PROMPT) + 5)
+    tokens = session.burst(10)
+    assert tokens == memra.generate(model, PROMPT, 6).tokens
+    assert session.done and session.burst(1) == []
+
+
+@pytest.mark.parametrize("eos", [{5}, frozenset({5, 7})])
+def test_sessions_take_eos_as_a_set_as_generate_does(model, eos):
+    from memra.drafters.registry import load_drafter
+    from memra.speculative.plain import PlainSession
+    from memra.speculative.session import SpecSession
+
+    assert isinstance(PlainSession(model, PROMPT, 64).burst(3, eos), list)
+    assert isinstance(SpecSession(model, PROMPT, load_drafter("native-mtp", model), 64).burst(3, 2, eos)[0], list)
+    with pytest.raises(InputError, match="eos must be a sequence"):
+        PlainSession(model, PROMPT, 64).burst(3, 5)

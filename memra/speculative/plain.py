@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memra.arguments import check_count
-from memra.model.tokens import check_token_ids
+from memra.arguments import check_count, check_eos
 from memra.speculative.metrics import SpecMetrics
 from memra.speculative.sampling import SampleStreams, SamplingParams, filtered_rows, refuse_penalties
 
@@ -37,12 +36,15 @@ class PlainSession:
         self.done = False
 
     def burst(self, target: int, eos=()) -> list[int]:
-        """Up to `target` more tokens; stops after the first token in `eos` (kept)."""
+        """Up to `target` more tokens; stops after the first token in `eos` (kept), or where the
+        cache has no room for the next step (done, as SpecSession at its context guard)."""
         target = check_count(target, "target")
-        eos = check_token_ids(eos, self.model.cfg.vocab_size, "EOS id", fix="pass ids of this model's vocab",
-                              allow_empty=True)
+        eos = check_eos(eos, self.model.cfg.vocab_size)
         out: list[int] = []
         while len(out) < target and not self.done:
+            if self.pending is None and self.ahead is None and self.cache.pos >= self.cache.max_ctx:
+                self.done = True
+                break
             if self.pending is None:
                 self.pending = self._next()
             self.last, self.pending = self.pending, None

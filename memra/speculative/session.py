@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memra.arguments import check_count, check_session_args
+from memra.arguments import check_count, check_eos, check_session_args
 from memra.errors import InputError, MemraError, describe
 from memra.limits import MAX_K, MIN_SESSION_ROOM, VERIFY_CAP, round_fits
-from memra.model.tokens import check_token_ids
 from memra.speculative.accept import conf_keep, greedy_accept
 from memra.speculative.contract import (RoundOutcome, SessionStart, check_drafter, check_proposal, check_state,
                                         source_label)
@@ -96,8 +95,7 @@ class SpecSession:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= bound:
             raise InputError(f"k={k!r} drafts per round is outside 1..={bound} (verify rows = k + 1 "
                              f"must stay <= {VERIFY_CAP}, and this draft source makes at most {bound})")
-        eos = check_token_ids(eos, self.model.cfg.vocab_size, "EOS id", fix="pass ids of this model's vocab",
-                              allow_empty=True)
+        eos = check_eos(eos, self.model.cfg.vocab_size)
         if self.undelivered:  # alone: the caller can then demote even if every round fails
             (out, self.undelivered), (drafted, accepted) = (self.undelivered, []), self.undelivered_counts
             return out, drafted, accepted

@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--weights-dtype", choices=("bf16", "fp8"), help="with --plan --preset: the release "
                      "planned (default bf16)")
     out.add_argument("--debug", action="store_true", help="show tracebacks")
-    out.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    out.add_argument("--version", action="version", version=f"memra {_version()}")
     return ap
 
 

@@ -169,11 +169,10 @@ MODE_FLAGS = {
 
 
 def _refuse_unused_flags(args, parser) -> None:
-    defaults = vars(parser.parse_args([]))
     for mode, used in MODE_FLAGS.items():
         if getattr(args, mode):
             unused = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
-                      if name not in used and value != defaults[name]]
+                      if name not in used and value != parser.get_default(name)]
             if unused:
                 raise UsageError(f"--{mode.replace('_', '-')} does not use {', '.join(unused)}: drop "
                                  f"{'it' if len(unused) == 1 else 'them'}")

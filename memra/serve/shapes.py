@@ -77,25 +77,27 @@ class Shape:
         for s in texts:
             offsets.append(self.offset)
             self.offset += len(s)
-        return {"tokens": [self._spelling(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{self._spelling(i): v for i, v in top} for _, _, top in entries],
+        spelled = lambda t: _spelling(self._bytes(t))  # noqa: E731
+        return {"tokens": [spelled(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{spelled(i): v for i, v in top} for _, _, top in entries],
                 "text_offset": offsets}
 
     def _token(self, token: int) -> dict:
-        return {"token": self._spelling(token), "bytes": list(self._bytes(token))}
+        raw = self._bytes(token)
+        return {"token": _spelling(raw), "bytes": list(raw)}
 
     def _bytes(self, token: int) -> bytes:
         return self.tokenizer.token_bytes(token) if self.tokenizer is not None else self._text(token).encode()
 
-    def _spelling(self, token: int) -> str:
-        """A token as logprobs name it: its text, or for a piece that is not whole UTF-8 characters
-        (byte-level BPE) "bytes:" and its bytes as \\xNN escapes, as OpenAI spells those, so two
-        such pieces never share one top_logprobs key."""
-        raw = self._bytes(token)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else f"<{token}>"
+
+
+def _spelling(raw: bytes) -> str:
+    """A token (its bytes) as logprobs name it: its text, or for a piece that is not whole UTF-8
+    characters (byte-level BPE) "bytes:" and its bytes as \\xNN escapes, as OpenAI spells those, so
+    two such pieces never share one top_logprobs key."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)

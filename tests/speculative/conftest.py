@@ -1,5 +1,6 @@
-"""Fixtures shared by the draft-source contract tests: the `mini` model on numpy, a prompt for it,
-and plain decoding's tape of 60 tokens after that prompt (a module may define its own)."""
+"""Fixtures shared by the draft-source contract tests: a `model` (`mini` on numpy; a module may
+param over more with battery.model_fixture), a prompt for it, and plain decoding's tape of 60
+tokens after that prompt (a module may define its own length)."""
 
 import pytest
 
@@ -9,15 +10,15 @@ from .battery import plain_tape, prompt_ids
 
 
 @pytest.fixture(scope="module")
-def mini(fixture_dir):
+def model(fixture_dir):
     return load_model(fixture_dir("mini"), backend="numpy")
 
 
 @pytest.fixture(scope="module")
-def prompt(mini):
-    return prompt_ids(mini)
+def prompt(model):
+    return prompt_ids(model)
 
 
 @pytest.fixture(scope="module")
-def tape(mini, prompt):
-    return plain_tape(mini, prompt, 60)
+def tape(model, prompt):
+    return plain_tape(model, prompt, 60)

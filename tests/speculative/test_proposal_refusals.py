@@ -151,9 +151,9 @@ def assert_untouched(session, before) -> None:
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_a_malformed_proposal_is_refused_naming_the_source_and_moves_nothing(mini, prompt, tape, case):
+def test_a_malformed_proposal_is_refused_naming_the_source_and_moves_nothing(model, prompt, tape, case):
     make, what = BAD[case]
-    session = open_scripted(mini, prompt, Scripted(make))
+    session = open_scripted(model, prompt, Scripted(make))
     out, exc, before = refused_round(session)
     msg = str(exc)
     assert msg.startswith(f"{LABEL}: propose(k={K})") and re.search(what, msg), msg
@@ -165,20 +165,20 @@ def test_a_malformed_proposal_is_refused_naming_the_source_and_moves_nothing(min
 
 
 @pytest.mark.parametrize("case", ["dense-sum", "sparse-draft-missing", "conf-nan", "more-than-k"])
-def test_a_malformed_proposal_in_a_sampled_session_draws_nothing(mini, prompt, case):
+def test_a_malformed_proposal_in_a_sampled_session_draws_nothing(model, prompt, case):
     make, what = BAD[case]
-    session = open_scripted(mini, prompt, Scripted(make), sampling=SamplingParams(temperature=0.9, seed=3))
+    session = open_scripted(model, prompt, Scripted(make), sampling=SamplingParams(temperature=0.9, seed=3))
     out, exc, before = refused_round(session)
     assert re.search(what, str(exc))
     assert_untouched(session, before)
     assert session.burst(4, K)[0]
 
 
-def test_more_than_k_drafts_is_refused_not_truncated_and_k_is_fine(mini, prompt, tape):
-    exact = open_scripted(mini, prompt, Scripted(lambda k, t, v: Proposal([t] * k, confidences=[1.0] * k),
+def test_more_than_k_drafts_is_refused_not_truncated_and_k_is_fine(model, prompt, tape):
+    exact = open_scripted(model, prompt, Scripted(lambda k, t, v: Proposal([t] * k, confidences=[1.0] * k),
                                                  bad_round=None))
     assert run_bursts(exact, 20, K)[:20] == tape[:20]
-    over = open_scripted(mini, prompt, Scripted(lambda k, t, v: Proposal([t] * (k + 2))))
+    over = open_scripted(model, prompt, Scripted(lambda k, t, v: Proposal([t] * (k + 2))))
     _, exc, _ = refused_round(over)
     assert "returned 5 draft tokens for k=3" in str(exc)
 
@@ -211,9 +211,9 @@ GOOD = {
 
 @pytest.mark.parametrize("case", list(GOOD))
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_well_formed_edge_cases_pass(mini, prompt, tape, case, sampled):
+def test_well_formed_edge_cases_pass(model, prompt, tape, case, sampled):
     sampling = SamplingParams(temperature=0.9, seed=3) if sampled else None
-    session = open_scripted(mini, prompt, Scripted(GOOD[case], bad_round=None), sampling=sampling, p_min=0.6)
+    session = open_scripted(model, prompt, Scripted(GOOD[case], bad_round=None), sampling=sampling, p_min=0.6)
     out = run_bursts(session, 16, K)
     assert session.metrics.rounds > 2
     if not sampled:
@@ -242,15 +242,15 @@ class NoCommit:
     (NoCommit(), r"begin\(\) returned NoCommit without commit\(\)"),
     (Scripted(), r"begin\(\) returned Scripted without propose and commit\(\)"),
 ])
-def test_begin_must_return_a_state(mini, prompt, state, what):
+def test_begin_must_return_a_state(model, prompt, state, what):
     with pytest.raises(InputError, match=rf"^{re.escape(LABEL)}: {what}"):
-        open_scripted(mini, prompt, BadBegin(state))
+        open_scripted(model, prompt, BadBegin(state))
 
 
 @pytest.mark.parametrize("max_k", [0, -1, "4", True, 2.5, None])
-def test_max_k_must_be_a_positive_integer(mini, prompt, max_k):
+def test_max_k_must_be_a_positive_integer(model, prompt, max_k):
     with pytest.raises(InputError, match=rf"^{re.escape(LABEL)}: max_k={re.escape(repr(max_k))} must be an integer"):
-        open_scripted(mini, prompt, Scripted(max_k=max_k))
+        open_scripted(model, prompt, Scripted(max_k=max_k))
 
 
 @pytest.mark.parametrize("taps, what", [
@@ -258,14 +258,14 @@ def test_max_k_must_be_a_positive_integer(mini, prompt, max_k):
     ((1.5,), "must hold integer layer indices"), ((True,), "must hold integer layer indices"),
     ((0, 99), r"reach outside the trunk 0\.\.\d+; the drafter was made for another model"),
 ])
-def test_tap_layers_must_be_layer_indices(mini, prompt, taps, what):
+def test_tap_layers_must_be_layer_indices(model, prompt, taps, what):
     source = Scripted()
     source.tap_layers = taps
     with pytest.raises(InputError, match=rf"^{re.escape(LABEL)}: tap_layers=.*{what}"):
-        open_scripted(mini, prompt, source)
+        open_scripted(model, prompt, source)
 
 
-def test_a_registered_source_is_named_by_its_registry_name_and_origin(mini, prompt, monkeypatch):
+def test_a_registered_source_is_named_by_its_registry_name_and_origin(model, prompt, monkeypatch):
     class Plugin:
         @hookimpl
         def memra_register_draft_sources(self, register):
@@ -275,7 +275,7 @@ def test_a_registered_source_is_named_by_its_registry_name_and_origin(mini, prom
     registry.reset_registry()
     registry.plugin_manager().register(Plugin(), name="scripted-plugin")
     try:
-        session = SpecSession(mini, prompt, registry.load_drafter("scripted", mini), MAX_CTX)
+        session = SpecSession(model, prompt, registry.load_drafter("scripted", model), MAX_CTX)
         _, exc, _ = refused_round(session)
         assert str(exc).startswith("draft source 'scripted' (plugin scripted-plugin): propose(k=3) returned None")
     finally:

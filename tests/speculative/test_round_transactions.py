@@ -20,23 +20,12 @@ from memra.speculative.contract import DenseQ, Proposal, SparseQ, label_source
 from memra.speculative.sampling import SamplingParams
 from memra.speculative.session import GateInstruments, SpecSession
 
-from .battery import MAX_CTX, Oracle, decode_chain, live_state, model_fixture, plain_tape, primed, prompt_ids, \
-    state_diff
+from .battery import MAX_CTX, Oracle, decode_chain, live_state, model_fixture, primed, state_diff
 
 model = model_fixture("numpy")
 
 N, K, SIZE = 30, 3, 5
 LABEL = "draft source 'faulty' (test)"
-
-
-@pytest.fixture(scope="module")
-def prompt(model):
-    return prompt_ids(model)
-
-
-@pytest.fixture(scope="module")
-def tape(model, prompt):
-    return plain_tape(model, prompt, 60)
 
 
 class Injected(RuntimeError):

@@ -12,7 +12,7 @@ from memra.speculative.session import SpecSession
 
 from .battery import MAX_CTX
 
-K = 3  # mini, prompt and tape: tests/speculative/conftest.py
+K = 3  # model, prompt and tape: tests/speculative/conftest.py
 
 
 class Oracle:
@@ -52,11 +52,11 @@ def spec_tokens(model, prompt, source, n=24) -> list[int]:
     return out[:n], session.metrics
 
 
-def test_a_source_writing_into_its_outcome_changes_no_token(mini, prompt, tape):
+def test_a_source_writing_into_its_outcome_changes_no_token(model, prompt, tape):
     def scribble(outcome):
         outcome.drafted[:] = [1] * len(outcome.drafted)
         outcome.kept[:] = [1] * len(outcome.kept)
-    tokens, metrics = spec_tokens(mini, prompt, Oracle(tape, after=scribble))
+    tokens, metrics = spec_tokens(model, prompt, Oracle(tape, after=scribble))
     assert metrics.num_accepted_tokens > 0, "no draft was accepted: the scribble had nothing to reach"
     assert tokens == tape[:24]
 
@@ -68,11 +68,11 @@ class Unprintable(Exception):
 
 @pytest.mark.parametrize("fail, needle", [(SystemExit(3), "raised SystemExit: 3"),
                                           (Unprintable(), "raised Unprintable: (its message could not be read)")])
-def test_a_source_that_exits_or_cannot_say_why_is_one_input_error(mini, prompt, tape, fail, needle):
+def test_a_source_that_exits_or_cannot_say_why_is_one_input_error(model, prompt, tape, fail, needle):
     with pytest.raises(InputError) as info:
-        spec_tokens(mini, prompt, Oracle(tape, fail=fail))
+        spec_tokens(model, prompt, Oracle(tape, fail=fail))
     assert "draft source 'oracle' (test): propose(k=3)" in str(info.value) and needle in str(info.value)
-    assert memra.generate(mini, prompt, 8).tokens == tape[:8]   # the model is fine after it
+    assert memra.generate(model, prompt, 8).tokens == tape[:8]   # the model is fine after it
 
 
 class MaxK(Oracle):
@@ -90,11 +90,11 @@ class MaxK(Oracle):
 @pytest.mark.parametrize("max_k, needle", [(RuntimeError("boom"), "reading max_k raised RuntimeError: boom"),
                                            (0, "max_k=0 must be an integer >= 1"),
                                            (-1, "max_k=-1 must be an integer >= 1")])
-def test_a_bad_max_k_blames_the_source_not_the_users_k(mini, prompt, tape, monkeypatch, max_k, needle):
+def test_a_bad_max_k_blames_the_source_not_the_users_k(model, prompt, tape, monkeypatch, max_k, needle):
     from memra.drafters import registry
 
     source = MaxK(tape, max_k)
     monkeypatch.setattr(registry, "load_drafter", lambda name, model, options: source)
     with pytest.raises(InputError) as info:
-        memra.generate(mini, prompt, 4, draft="native-mtp", num_draft_tokens=K)
+        memra.generate(model, prompt, 4, draft="native-mtp", num_draft_tokens=K)
     assert needle in str(info.value) and "num_draft_tokens" not in str(info.value)

@@ -25,7 +25,6 @@ from .battery import (
     model_fixture,
     open_session,
     plain_tape,
-    prompt_ids,
     proposal_log,
     round_log,
     run_bursts,
@@ -35,11 +34,6 @@ from .battery import (
 model = model_fixture("numpy")
 
 N = 32
-
-
-@pytest.fixture(scope="module")
-def prompt(model):
-    return prompt_ids(model)
 
 
 @pytest.fixture(scope="module")
